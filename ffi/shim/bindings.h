@@ -1,0 +1,6 @@
+#include "llama.h"
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "gguf.h"
+#include "strata-hooks.h"
+#include "strata_shim.h"

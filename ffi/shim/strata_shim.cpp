@@ -1,0 +1,437 @@
+#include "strata_shim.h"
+
+#include "arg.h"
+#include "chat.h"
+#include "common.h"
+#include "json-schema-to-grammar.h"
+#include "json.h"
+#include "log.h"
+#include "sampling.h"
+#include "speculative.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+using json = nlohmann::ordered_json;
+
+struct strata_params {
+    common_params params;
+};
+
+struct strata_chat_templates {
+    common_chat_templates_ptr tmpls;
+};
+
+struct strata_sampler {
+    common_params_sampling params;
+    common_sampler *       smpl = nullptr;
+};
+
+struct strata_speculative {
+    common_speculative_init_result_ptr init;
+    common_speculative *               spec = nullptr;
+    llama_tokens                       prompt;
+    llama_tokens                       result;
+};
+
+static char * dup_string(const std::string & s) {
+    char * out = static_cast<char *>(std::malloc(s.size() + 1));
+    if (out) {
+        std::memcpy(out, s.data(), s.size());
+        out[s.size()] = '\0';
+    }
+    return out;
+}
+
+static void set_err(char ** err, const std::string & msg) {
+    if (err) {
+        *err = dup_string(msg);
+    }
+}
+
+// Runs f, turning any C++ exception into *err and the fallback value.
+template <typename T, typename F>
+static T guarded(char ** err, T fallback, F && f) {
+    try {
+        return f();
+    } catch (const std::exception & e) {
+        set_err(err, e.what());
+    } catch (...) {
+        set_err(err, "unknown C++ exception");
+    }
+    return fallback;
+}
+
+void strata_string_free(char * s) {
+    std::free(s);
+}
+
+void strata_stdio_flush(void) {
+    std::fflush(nullptr);
+}
+
+void strata_common_init(void) {
+    common_init();
+}
+
+// ---- arguments ------------------------------------------------------------------------------
+
+strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage) {
+    auto * p = new strata_params;
+    if (!common_params_parse(argc, argv, p->params, LLAMA_EXAMPLE_SERVER, usage)) {
+        delete p;
+        return nullptr;
+    }
+    return p;
+}
+
+void strata_params_free(strata_params * p) {
+    delete p;
+}
+
+static json sampling_json(const common_params_sampling & s) {
+    return json{
+        {"seed", s.seed},
+        {"n_probs", s.n_probs},
+        {"min_keep", s.min_keep},
+        {"top_k", s.top_k},
+        {"top_p", s.top_p},
+        {"min_p", s.min_p},
+        {"xtc_probability", s.xtc_probability},
+        {"xtc_threshold", s.xtc_threshold},
+        {"typ_p", s.typ_p},
+        {"temp", s.temp},
+        {"dynatemp_range", s.dynatemp_range},
+        {"dynatemp_exponent", s.dynatemp_exponent},
+        {"penalty_last_n", s.penalty_last_n},
+        {"penalty_repeat", s.penalty_repeat},
+        {"penalty_freq", s.penalty_freq},
+        {"penalty_present", s.penalty_present},
+        {"dry_multiplier", s.dry_multiplier},
+        {"dry_base", s.dry_base},
+        {"dry_allowed_length", s.dry_allowed_length},
+        {"dry_penalty_last_n", s.dry_penalty_last_n},
+        {"mirostat", s.mirostat},
+        {"mirostat_tau", s.mirostat_tau},
+        {"mirostat_eta", s.mirostat_eta},
+        {"top_n_sigma", s.top_n_sigma},
+        {"ignore_eos", s.ignore_eos},
+        {"grammar", s.grammar.grammar},
+    };
+}
+
+char * strata_params_json(const strata_params * p) {
+    const common_params & c = p->params;
+    json j = {
+        {"model", c.model.path},
+        {"model_alias", json(c.model_alias)},
+        {"hostnames", c.hostnames},
+        {"port", c.port},
+        {"api_prefix", c.api_prefix},
+        {"api_keys", c.api_keys},
+        {"public_path", c.public_path},
+        {"ui", c.ui},
+        {"timeout_read", c.timeout_read},
+        {"timeout_write", c.timeout_write},
+        {"n_threads_http", c.n_threads_http},
+        {"n_ctx", c.n_ctx},
+        {"n_batch", c.n_batch},
+        {"n_ubatch", c.n_ubatch},
+        {"n_keep", c.n_keep},
+        {"n_parallel", c.n_parallel},
+        {"n_predict", c.n_predict},
+        {"n_cache_reuse", c.n_cache_reuse},
+        {"cache_ram_mib", c.cache_ram_mib},
+        {"ctx_shift", c.ctx_shift},
+        {"cont_batching", c.cont_batching},
+        {"chat_template", c.chat_template},
+        {"use_jinja", c.use_jinja},
+        {"enable_chat_template", c.enable_chat_template},
+        {"reasoning_format", common_reasoning_format_name(c.reasoning_format)},
+        {"enable_reasoning", c.enable_reasoning},
+        {"sleep_idle_seconds", c.sleep_idle_seconds},
+        {"slot_save_path", c.slot_save_path},
+        {"endpoint_slots", c.endpoint_slots},
+        {"endpoint_props", c.endpoint_props},
+        {"endpoint_metrics", c.endpoint_metrics},
+        {"embedding", c.embedding},
+        {"verbosity", c.verbosity},
+        {"sampling", sampling_json(c.sampling)},
+    };
+    return dup_string(j.dump());
+}
+
+struct llama_model_params strata_params_model(strata_params * p) {
+    return common_model_params_to_llama(p->params);
+}
+
+struct llama_context_params strata_params_context(const strata_params * p) {
+    return common_context_params_to_llama(p->params);
+}
+
+void strata_backend_init(const strata_params * p) {
+    llama_backend_init();
+    llama_numa_init(p->params.numa);
+}
+
+// ---- chat templates -------------------------------------------------------------------------
+
+strata_chat_templates * strata_chat_templates_init(const struct llama_model * model, const char * tmpl_override, char ** err) {
+    return guarded<strata_chat_templates *>(err, nullptr, [&]() -> strata_chat_templates * {
+        auto t = common_chat_templates_init(model, tmpl_override ? tmpl_override : "");
+        if (!t) {
+            set_err(err, "failed to initialise chat templates");
+            return nullptr;
+        }
+        return new strata_chat_templates{std::move(t)};
+    });
+}
+
+void strata_chat_templates_free(strata_chat_templates * t) {
+    delete t;
+}
+
+static common_chat_templates_inputs inputs_from_json(const json & j) {
+    common_chat_templates_inputs in;
+    in.messages = common_chat_msgs_parse_oaicompat(common_json::parse(j.at("messages").dump()));
+    if (j.contains("tools") && !j.at("tools").is_null()) {
+        in.tools = common_chat_tools_parse_oaicompat(common_json::parse(j.at("tools").dump()));
+    }
+    if (j.contains("tool_choice")) {
+        in.tool_choice = common_chat_tool_choice_parse_oaicompat(j.at("tool_choice").get<std::string>());
+    }
+    in.add_generation_prompt = j.value("add_generation_prompt", true);
+    in.use_jinja             = j.value("use_jinja", true);
+    in.enable_thinking       = j.value("enable_thinking", true);
+    in.parallel_tool_calls   = j.value("parallel_tool_calls", false);
+    in.json_schema           = j.value("json_schema", std::string());
+    in.grammar               = j.value("grammar", std::string());
+    in.add_bos               = j.value("add_bos", false);
+    in.add_eos               = j.value("add_eos", false);
+    in.reasoning_format      = common_reasoning_format_from_name(j.value("reasoning_format", std::string("none")));
+    if (j.contains("chat_template_kwargs")) {
+        for (const auto & [k, v] : j.at("chat_template_kwargs").items()) {
+            in.chat_template_kwargs[k] = v.dump();
+        }
+    }
+    return in;
+}
+
+static json trigger_json(const common_grammar_trigger & t) {
+    return json{{"type", static_cast<int>(t.type)}, {"value", t.value}, {"token", t.token}};
+}
+
+char * strata_chat_templates_apply(const strata_chat_templates * t, const char * inputs_json, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() -> char * {
+        const common_chat_params out = common_chat_templates_apply(t->tmpls.get(), inputs_from_json(json::parse(inputs_json)));
+        json triggers = json::array();
+        for (const auto & tr : out.grammar_triggers) {
+            triggers.push_back(trigger_json(tr));
+        }
+        json j = {
+            {"prompt", out.prompt},
+            {"format", static_cast<int>(out.format)},
+            {"format_name", common_chat_format_name(out.format)},
+            {"grammar", out.grammar},
+            {"grammar_lazy", out.grammar_lazy},
+            {"generation_prompt", out.generation_prompt},
+            {"grammar_triggers", triggers},
+            {"preserved_tokens", out.preserved_tokens},
+            {"additional_stops", out.additional_stops},
+            {"supports_thinking", out.supports_thinking},
+            {"thinking_start_tag", out.thinking_start_tag},
+            {"thinking_end_tags", out.thinking_end_tags},
+            {"parser", out.parser},
+        };
+        return dup_string(j.dump());
+    });
+}
+
+char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant) {
+    return dup_string(common_chat_templates_source(t->tmpls.get(), variant ? variant : ""));
+}
+
+char * strata_chat_parse(const char * text, bool is_partial, const char * parser_json, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() -> char * {
+        const json j = json::parse(parser_json);
+        common_chat_parser_params pp;
+        pp.format               = static_cast<common_chat_format>(j.value("format", 0));
+        pp.reasoning_format     = common_reasoning_format_from_name(j.value("reasoning_format", std::string("none")));
+        pp.reasoning_in_content = j.value("reasoning_in_content", false);
+        pp.generation_prompt    = j.value("generation_prompt", std::string());
+        pp.parse_tool_calls     = j.value("parse_tool_calls", true);
+        const std::string parser = j.value("parser", std::string());
+        if (!parser.empty()) {
+            pp.parser.load(parser);
+        }
+        const common_chat_msg msg = common_chat_parse(text, is_partial, pp);
+        return dup_string(msg.to_json_oaicompat().dump());
+    });
+}
+
+// ---- grammar --------------------------------------------------------------------------------
+
+char * strata_json_schema_to_grammar(const char * schema_json, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() -> char * {
+        return dup_string(json_schema_to_grammar(common_json::parse(schema_json)));
+    });
+}
+
+// ---- sampling -------------------------------------------------------------------------------
+
+template <typename T>
+static void take(const json & j, const char * key, T & field) {
+    if (j.contains(key) && !j.at(key).is_null()) {
+        field = j.at(key).get<T>();
+    }
+}
+
+static void apply_sampling_overrides(common_params_sampling & s, const json & j) {
+    take(j, "seed", s.seed);
+    take(j, "n_probs", s.n_probs);
+    take(j, "min_keep", s.min_keep);
+    take(j, "top_k", s.top_k);
+    take(j, "top_p", s.top_p);
+    take(j, "min_p", s.min_p);
+    take(j, "xtc_probability", s.xtc_probability);
+    take(j, "xtc_threshold", s.xtc_threshold);
+    take(j, "typ_p", s.typ_p);
+    take(j, "temp", s.temp);
+    take(j, "dynatemp_range", s.dynatemp_range);
+    take(j, "dynatemp_exponent", s.dynatemp_exponent);
+    take(j, "penalty_last_n", s.penalty_last_n);
+    take(j, "penalty_repeat", s.penalty_repeat);
+    take(j, "penalty_freq", s.penalty_freq);
+    take(j, "penalty_present", s.penalty_present);
+    take(j, "dry_multiplier", s.dry_multiplier);
+    take(j, "dry_base", s.dry_base);
+    take(j, "dry_allowed_length", s.dry_allowed_length);
+    take(j, "dry_penalty_last_n", s.dry_penalty_last_n);
+    take(j, "mirostat", s.mirostat);
+    take(j, "mirostat_tau", s.mirostat_tau);
+    take(j, "mirostat_eta", s.mirostat_eta);
+    take(j, "top_n_sigma", s.top_n_sigma);
+    take(j, "ignore_eos", s.ignore_eos);
+    take(j, "grammar_lazy", s.grammar_lazy);
+    take(j, "generation_prompt", s.generation_prompt);
+    if (j.contains("grammar") && j.at("grammar").is_string() && !j.at("grammar").get<std::string>().empty()) {
+        const int type = j.value("grammar_type", static_cast<int>(COMMON_GRAMMAR_TYPE_USER));
+        s.grammar = common_grammar(static_cast<common_grammar_type>(type), j.at("grammar").get<std::string>());
+    }
+    if (j.contains("grammar_triggers")) {
+        s.grammar_triggers.clear();
+        for (const auto & t : j.at("grammar_triggers")) {
+            common_grammar_trigger tr;
+            tr.type  = static_cast<common_grammar_trigger_type>(t.at("type").get<int>());
+            tr.value = t.value("value", std::string());
+            tr.token = t.value("token", LLAMA_TOKEN_NULL);
+            s.grammar_triggers.push_back(tr);
+        }
+    }
+    if (j.contains("preserved_tokens")) {
+        for (const auto & t : j.at("preserved_tokens")) {
+            s.preserved_tokens.insert(t.get<llama_token>());
+        }
+    }
+    if (j.contains("logit_bias")) {
+        s.logit_bias.clear();
+        for (const auto & e : j.at("logit_bias")) {
+            s.logit_bias.push_back({e.at(0).get<llama_token>(), e.at(1).get<float>()});
+        }
+    }
+}
+
+strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err) {
+    return guarded<strata_sampler *>(err, nullptr, [&]() -> strata_sampler * {
+        auto * s = new strata_sampler;
+        s->params = p ? p->params.sampling : common_params_sampling();
+        if (overrides_json && *overrides_json) {
+            apply_sampling_overrides(s->params, json::parse(overrides_json));
+        }
+        s->smpl = common_sampler_init(model, s->params);
+        if (!s->smpl) {
+            delete s;
+            set_err(err, "failed to initialise the sampler (invalid grammar?)");
+            return nullptr;
+        }
+        return s;
+    });
+}
+
+void strata_sampler_free(strata_sampler * s) {
+    if (s) {
+        common_sampler_free(s->smpl);
+        delete s;
+    }
+}
+
+llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx) {
+    return common_sampler_sample(s->smpl, ctx, idx);
+}
+
+void strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar) {
+    common_sampler_accept(s->smpl, token, accept_grammar);
+}
+
+void strata_sampler_reset(strata_sampler * s) {
+    common_sampler_reset(s->smpl);
+}
+
+uint32_t strata_sampler_seed(const strata_sampler * s) {
+    return common_sampler_get_seed(s->smpl);
+}
+
+// ---- speculative decoding -------------------------------------------------------------------
+
+strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err) {
+    return guarded<strata_speculative *>(err, nullptr, [&]() -> strata_speculative * {
+        auto * s = new strata_speculative;
+        llama_model * model_tgt = const_cast<llama_model *>(llama_get_model(ctx_tgt));
+        s->init = common_speculative_init_from_params(p->params, model_tgt, ctx_tgt);
+        s->spec = common_speculative_init(p->params.speculative, n_seq);
+        if (!s->spec) {
+            delete s;
+            set_err(err, "speculative decoding: no drafter could be initialised from the given settings");
+            return nullptr;
+        }
+        return s;
+    });
+}
+
+void strata_speculative_free(strata_speculative * s) {
+    if (s) {
+        common_speculative_free(s->spec);
+        delete s;
+    }
+}
+
+void strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt) {
+    s->prompt.assign(prompt, prompt + n_prompt);
+    common_speculative_begin(s->spec, seq, s->prompt);
+}
+
+int32_t strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
+                                 llama_token last, llama_token * out, int32_t n_max) {
+    s->prompt.assign(prompt, prompt + n_prompt);
+    s->result.clear();
+    common_speculative_draft_params & dp = common_speculative_get_draft_params(s->spec, seq);
+    dp.drafting = true;
+    dp.n_max    = n_max;
+    dp.pos0     = n_prompt;
+    dp.id_last  = last;
+    dp.prompt   = &s->prompt;
+    dp.result   = &s->result;
+    common_speculative_draft(s->spec);
+    const int32_t n = std::min<int32_t>(n_max, static_cast<int32_t>(s->result.size()));
+    std::memcpy(out, s->result.data(), sizeof(llama_token) * n);
+    return n;
+}
+
+void strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted) {
+    common_speculative_accept(s->spec, seq, n_accepted);
+}

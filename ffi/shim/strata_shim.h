@@ -1,0 +1,106 @@
+#pragma once
+
+// extern "C" entry points over llama.cpp's C++ `common` library, so that Strata parses flags,
+// applies chat templates, samples and drafts exactly as the pinned llama-server does.
+// Strings returned as `char *` are malloc'd: free them with strata_string_free. Functions that
+// can fail take `char ** err` and, on failure, return NULL (or false) and set *err.
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void strata_string_free(char * s);
+
+// fflush(NULL): llama.cpp prints with C stdio, so Rust output that must follow it flushes first.
+void strata_stdio_flush(void);
+
+// common_init(): llama.cpp's logger, build info line.
+void strata_common_init(void);
+
+// ---- arguments ------------------------------------------------------------------------------
+
+typedef struct strata_params strata_params;
+
+// Called after upstream's --help text, before the process exits 0.
+typedef void (*strata_usage_fn)(int argc, char ** argv);
+
+// common_params_parse(argc, argv, LLAMA_EXAMPLE_SERVER): flags, LLAMA_ARG_* variables and
+// presets exactly as llama-server reads them. Returns NULL when upstream would exit 1 (the
+// message is already on stderr). --help/--completion print and exit(0), as upstream does.
+strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage);
+void            strata_params_free(strata_params * p);
+
+// The fields the server reads, as a JSON object (see params_json in strata_shim.cpp).
+char * strata_params_json(const strata_params * p);
+
+struct llama_model_params   strata_params_model(strata_params * p);
+struct llama_context_params strata_params_context(const strata_params * p);
+
+// llama_backend_init() and llama_numa_init(params.numa), as llama-server's main does.
+void strata_backend_init(const strata_params * p);
+
+// ---- chat templates -------------------------------------------------------------------------
+
+typedef struct strata_chat_templates strata_chat_templates;
+
+// tmpl_override: --chat-template text or NULL for the model's own.
+strata_chat_templates * strata_chat_templates_init(const struct llama_model * model, const char * tmpl_override, char ** err);
+void                    strata_chat_templates_free(strata_chat_templates * t);
+
+// inputs_json: {"messages": [OpenAI messages], "tools": [...], "tool_choice": "auto",
+// "add_generation_prompt": true, "use_jinja": true, "enable_thinking": true,
+// "reasoning_format": "none", "parallel_tool_calls": false, "json_schema": "...",
+// "grammar": "...", "chat_template_kwargs": {"k": "json value"}, "add_bos": false, "add_eos": false}
+// Returns {"prompt", "format", "grammar", "grammar_lazy", "generation_prompt",
+// "grammar_triggers": [{"type", "value", "token"}], "preserved_tokens", "additional_stops",
+// "supports_thinking", "thinking_start_tag", "thinking_end_tags", "parser"}.
+char * strata_chat_templates_apply(const strata_chat_templates * t, const char * inputs_json, char ** err);
+
+// The template source text ("" when none); variant "" or "tool_use".
+char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant);
+
+// parser_json: {"format": int, "reasoning_format": "none", "reasoning_in_content": false,
+// "generation_prompt": "", "parse_tool_calls": true, "parser": "<from apply>"}.
+// Returns the OpenAI-shaped assistant message.
+char * strata_chat_parse(const char * text, bool is_partial, const char * parser_json, char ** err);
+
+// ---- grammar --------------------------------------------------------------------------------
+
+char * strata_json_schema_to_grammar(const char * schema_json, char ** err);
+
+// ---- sampling -------------------------------------------------------------------------------
+
+typedef struct strata_sampler strata_sampler;
+
+// The server's sampling defaults from p, overridden by overrides_json whose keys are
+// common_params_sampling's field names (temp, top_k, top_p, min_p, seed, grammar, ...).
+strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err);
+void             strata_sampler_free(strata_sampler * s);
+llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx);
+void             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar);
+void             strata_sampler_reset(strata_sampler * s);
+uint32_t         strata_sampler_seed(const strata_sampler * s);
+
+// ---- speculative decoding -------------------------------------------------------------------
+
+typedef struct strata_speculative strata_speculative;
+
+// common_speculative_init over p's speculative settings for n_seq sequences; ctx_tgt is the
+// target context (MTP and draft models need it). Returns NULL with *err when the settings
+// name no usable drafter.
+strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err);
+void                 strata_speculative_free(strata_speculative * s);
+void                 strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt);
+// Drafts up to n_max tokens after `last` for seq; writes them to out, returns the count.
+int32_t              strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
+                                              llama_token last, llama_token * out, int32_t n_max);
+void                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,76 @@
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::{Once, OnceLock};
+
+use crate::params::ServerParams;
+use crate::sys;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+    Cont,
+}
+
+static BACKEND: Once = Once::new();
+static LOADED: Once = Once::new();
+static LOG_SINK: OnceLock<fn(LogLevel, &str)> = OnceLock::new();
+
+/// Loads the backend modules (CPU, and CUDA/HIP where built) once per process. Argument
+/// parsing does this too; model loading needs it when no arguments were parsed.
+pub fn load_backends() {
+    // SAFETY: ggml_backend_load_all only reads the filesystem and registers backends; Once
+    // keeps it from running concurrently with itself.
+    LOADED.call_once(|| unsafe { sys::ggml_backend_load_all() });
+}
+
+/// llama_backend_init (+ NUMA from the parsed flags), once per process.
+pub fn init_backend(params: Option<&ServerParams>) {
+    load_backends();
+    BACKEND.call_once(|| match params {
+        // SAFETY: the params handle is valid for the duration of the call.
+        Some(p) => unsafe { sys::strata_backend_init(p.as_ptr()) },
+        // SAFETY: no preconditions.
+        None => unsafe { sys::llama_backend_init() },
+    });
+}
+
+extern "C" fn log_trampoline(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
+    let Some(sink) = LOG_SINK.get() else { return };
+    if text.is_null() {
+        return;
+    }
+    // SAFETY: ggml passes a NUL-terminated message valid for this call.
+    let msg = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    let level = match level {
+        sys::GGML_LOG_LEVEL_DEBUG => LogLevel::Debug,
+        sys::GGML_LOG_LEVEL_WARN => LogLevel::Warn,
+        sys::GGML_LOG_LEVEL_ERROR => LogLevel::Error,
+        sys::GGML_LOG_LEVEL_CONT => LogLevel::Cont,
+        _ => LogLevel::Info,
+    };
+    sink(level, &msg);
+}
+
+/// Routes llama.cpp's and ggml's logs to `sink` (the first sink set wins). Not used by the
+/// server, which keeps llama.cpp's own log format via common_init.
+pub fn set_log_callback(sink: fn(LogLevel, &str)) {
+    let _ = LOG_SINK.set(sink);
+    // SAFETY: the trampoline is a 'static extern "C" fn that tolerates any thread.
+    unsafe {
+        sys::llama_log_set(Some(log_trampoline), std::ptr::null_mut());
+    }
+}
+
+/// llama.cpp's common_init(): its logger (format, colours, verbosity) and the build info line.
+pub fn common_init() {
+    // SAFETY: no preconditions; sets up process-wide logging state.
+    unsafe { sys::strata_common_init() }
+}
+
+/// Flushes C stdio, so that Rust output lands after what llama.cpp printed.
+pub fn flush_c_stdio() {
+    // SAFETY: fflush(NULL) has no preconditions.
+    unsafe { sys::strata_stdio_flush() }
+}

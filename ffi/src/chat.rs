@@ -1,0 +1,75 @@
+use std::ptr::NonNull;
+
+use serde_json::Value;
+
+use crate::error::Result;
+use crate::model::Model;
+use crate::shim_string::{call, cstring, take};
+use crate::sys;
+
+/// A model's chat templates as llama.cpp's `common_chat_templates`.
+pub struct ChatTemplates {
+    ptr: NonNull<sys::strata_chat_templates>,
+}
+
+// SAFETY: common_chat_templates is immutable after init; apply() reads it without mutation,
+// so it may move between threads.
+unsafe impl Send for ChatTemplates {}
+// SAFETY: see Send; apply/source take `const common_chat_templates *`.
+unsafe impl Sync for ChatTemplates {}
+
+impl ChatTemplates {
+    /// The model's own template, or `override_tmpl` (a --chat-template value) when given.
+    pub fn new(model: &Model, override_tmpl: Option<&str>) -> Result<Self> {
+        let ovr = override_tmpl.map(|t| cstring(t, "chat template")).transpose()?;
+        let ovr_ptr = ovr.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+        let ptr = call(|err| {
+            // SAFETY: model is valid; ovr_ptr is null or a valid C string for the call.
+            NonNull::new(unsafe { sys::strata_chat_templates_init(model.as_ptr(), ovr_ptr, err) })
+        })?;
+        Ok(Self { ptr })
+    }
+
+    /// common_chat_templates_apply over OpenAI-shaped inputs (see strata_shim.h for the keys).
+    pub fn apply(&self, inputs: &Value) -> Result<Value> {
+        let inputs = cstring(&inputs.to_string(), "chat inputs")?;
+        let out = call(|err| {
+            // SAFETY: valid handle and C string; the result is a malloc'd string we own.
+            take(unsafe { sys::strata_chat_templates_apply(self.ptr.as_ptr(), inputs.as_ptr(), err) })
+        })?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    pub fn source(&self, variant: &str) -> Result<String> {
+        let v = cstring(variant, "template variant")?;
+        // SAFETY: valid handle and C string; the result is owned by us.
+        Ok(take(unsafe { sys::strata_chat_templates_source(self.ptr.as_ptr(), v.as_ptr()) }).unwrap_or_default())
+    }
+}
+
+impl Drop for ChatTemplates {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once.
+        unsafe { sys::strata_chat_templates_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// common_chat_parse: model output text into an OpenAI-shaped assistant message.
+pub fn parse_chat_message(text: &str, is_partial: bool, parser: &Value) -> Result<Value> {
+    let text = cstring(text, "generated text")?;
+    let parser = cstring(&parser.to_string(), "parser params")?;
+    let out = call(|err| {
+        // SAFETY: valid C strings for the call; the result is owned by us.
+        take(unsafe { sys::strata_chat_parse(text.as_ptr(), is_partial, parser.as_ptr(), err) })
+    })?;
+    Ok(serde_json::from_str(&out)?)
+}
+
+/// llama.cpp's JSON-schema-to-GBNF conversion.
+pub fn json_schema_to_grammar(schema: &Value) -> Result<String> {
+    let schema = cstring(&schema.to_string(), "json schema")?;
+    call(|err| {
+        // SAFETY: valid C string; the result is owned by us.
+        take(unsafe { sys::strata_json_schema_to_grammar(schema.as_ptr(), err) })
+    })
+}

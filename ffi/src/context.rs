@@ -1,0 +1,120 @@
+use std::ptr::NonNull;
+
+use crate::batch::Batch;
+use crate::error::{DecodeError, FfiError, Result};
+use crate::model::{Model, Token};
+use crate::sys;
+
+#[derive(Clone, Copy)]
+pub struct ContextParams {
+    pub(crate) raw: sys::llama_context_params,
+}
+
+impl ContextParams {
+    pub(crate) fn from_raw(raw: sys::llama_context_params) -> Self {
+        Self { raw }
+    }
+
+    pub fn with_n_ctx(mut self, n: u32) -> Self {
+        self.raw.n_ctx = n;
+        self
+    }
+
+    pub fn with_n_batch(mut self, n: u32) -> Self {
+        self.raw.n_batch = n;
+        self.raw.n_ubatch = self.raw.n_ubatch.min(n);
+        self
+    }
+
+    pub fn with_threads(mut self, n: i32) -> Self {
+        self.raw.n_threads = n;
+        self.raw.n_threads_batch = n;
+        self
+    }
+
+    pub fn with_seq_max(mut self, n: u32) -> Self {
+        self.raw.n_seq_max = n;
+        self
+    }
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        // SAFETY: returns a plain struct of defaults.
+        Self::from_raw(unsafe { sys::llama_context_default_params() })
+    }
+}
+
+/// A llama_context over a borrowed model. Owned by one thread at a time (the engine thread).
+pub struct Context<'m> {
+    ptr: NonNull<sys::llama_context>,
+    model: &'m Model,
+}
+
+// SAFETY: a llama_context may be used from any thread as long as it is used by one at a time;
+// `&mut self` on every mutating call and the absence of Sync enforce that.
+unsafe impl Send for Context<'_> {}
+
+impl<'m> Context<'m> {
+    pub fn new(model: &'m Model, params: ContextParams) -> Result<Self> {
+        // SAFETY: valid model and params; null on failure.
+        let ptr = unsafe { sys::llama_init_from_model(model.as_ptr(), params.raw) };
+        NonNull::new(ptr).map(|ptr| Self { ptr, model }).ok_or(FfiError::ContextInit)
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    pub fn as_ptr(&mut self) -> *mut sys::llama_context {
+        self.ptr.as_ptr()
+    }
+
+    pub fn n_ctx(&self) -> u32 {
+        // SAFETY: valid context.
+        unsafe { sys::llama_n_ctx(self.ptr.as_ptr()) }
+    }
+
+    pub fn n_batch(&self) -> u32 {
+        // SAFETY: valid context.
+        unsafe { sys::llama_n_batch(self.ptr.as_ptr()) }
+    }
+
+    pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
+        // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
+        DecodeError::check(unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) })
+    }
+
+    /// Logits of the i-th output of the last decode (negative i counts from the end).
+    pub fn logits_ith(&mut self, i: i32) -> Option<&[f32]> {
+        let n_vocab = self.model.vocab().n_tokens() as usize;
+        // SAFETY: valid context; null when i has no logits.
+        let p = unsafe { sys::llama_get_logits_ith(self.ptr.as_ptr(), i) };
+        // SAFETY: a non-null result points at n_vocab floats owned by the context, valid until
+        // the next decode, which needs &mut self.
+        (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n_vocab) })
+    }
+
+    /// Clears the KV cache / memory of every sequence.
+    pub fn clear_memory(&mut self) {
+        // SAFETY: valid context; the memory handle lives as long as it.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ptr.as_ptr()), true) }
+    }
+
+    /// Greedy argmax over the logits of output i.
+    pub fn argmax(&mut self, i: i32) -> Option<Token> {
+        let logits = self.logits_ith(i)?;
+        let (best, _) = logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (j, &v)| if v > bv { (j, v) } else { (bi, bv) });
+        Some(best as Token)
+    }
+}
+
+impl Drop for Context<'_> {
+    fn drop(&mut self) {
+        // SAFETY: we own the context and free it once, before the borrowed model.
+        unsafe { sys::llama_free(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,48 @@
+use thiserror::Error;
+
+pub type Result<T, E = FfiError> = std::result::Result<T, E>;
+
+#[derive(Debug, Error)]
+pub enum FfiError {
+    #[error("failed to load model from '{0}'")]
+    ModelLoad(String),
+    #[error("failed to create the llama context")]
+    ContextInit,
+    #[error("{0}")]
+    Shim(String),
+    #[error("{0} contains an interior NUL byte")]
+    InteriorNul(&'static str),
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("batch is full ({0} tokens)")]
+    BatchFull(usize),
+    #[error("invalid JSON from llama.cpp: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// `llama_decode`'s return codes.
+#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("could not find a KV slot for the batch")]
+    NoKvCacheSlot,
+    #[error("decode aborted")]
+    Aborted,
+    #[error("invalid input batch")]
+    InvalidBatch,
+    #[error("fatal decode error {0}")]
+    Fatal(i32),
+}
+
+impl DecodeError {
+    pub(crate) fn check(code: i32) -> Result<(), DecodeError> {
+        match code {
+            0 => Ok(()),
+            1 => Err(Self::NoKvCacheSlot),
+            2 => Err(Self::Aborted),
+            -1 => Err(Self::InvalidBatch),
+            c => Err(Self::Fatal(c)),
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The Rust side of the hook ABI that patches/0001 adds to llama.cpp (`strata-hooks.h`).
+//! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines.
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::sys;
+
+/// Callbacks from inside llama.cpp. They run on whatever thread loads models or builds graphs.
+pub trait Hooks: Send + Sync + 'static {
+    fn model_loaded(&self, _model: *const sys::llama_model) {}
+    fn model_freed(&self, _model: *const sys::llama_model) {}
+    /// Builds the weighted sum over the selected experts into `args.graph()`, or returns None
+    /// to let llama.cpp build it as usual.
+    fn moe_experts(&self, _args: &MoeExperts<'_>) -> Option<NonNull<sys::ggml_tensor>> {
+        None
+    }
+}
+
+/// One MoE layer's routed-expert inputs, valid for the duration of the callback.
+pub struct MoeExperts<'a> {
+    raw: &'a sys::strata_moe_experts_args,
+}
+
+impl MoeExperts<'_> {
+    pub fn layer(&self) -> i32 {
+        self.raw.il
+    }
+    pub fn n_expert(&self) -> i64 {
+        self.raw.n_expert
+    }
+    pub fn n_expert_used(&self) -> i64 {
+        self.raw.n_expert_used
+    }
+    pub fn raw(&self) -> &sys::strata_moe_experts_args {
+        self.raw
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("llama.cpp rejected the hook table: it speaks hook ABI {library}, Strata speaks {ours}")]
+pub struct AbiMismatch {
+    pub library: u32,
+    pub ours: u32,
+}
+
+fn hooks_from(user_data: *mut c_void) -> &'static dyn Hooks {
+    // SAFETY: user_data is the leaked Box<Arc<dyn Hooks>> made by `install`, never freed.
+    let arc: &'static Arc<dyn Hooks> = unsafe { &*(user_data as *const Arc<dyn Hooks>) };
+    arc.as_ref()
+}
+
+extern "C" fn model_loaded(user_data: *mut c_void, model: *const sys::llama_model) {
+    let _ = catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).model_loaded(model)));
+}
+
+extern "C" fn model_freed(user_data: *mut c_void, model: *const sys::llama_model) {
+    let _ = catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).model_freed(model)));
+}
+
+extern "C" fn moe_experts(user_data: *mut c_void, args: *const sys::strata_moe_experts_args) -> *mut sys::ggml_tensor {
+    if args.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: llama.cpp passes a pointer to a live args struct for the duration of the call.
+    let args = MoeExperts { raw: unsafe { &*args } };
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).moe_experts(&args)))
+        .ok()
+        .flatten()
+        .map_or(std::ptr::null_mut(), NonNull::as_ptr)
+}
+
+/// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
+pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
+    // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
+    let user_data = Box::into_raw(Box::new(hooks)) as *mut c_void;
+    let table = sys::strata_hooks {
+        abi_version: sys::STRATA_HOOKS_ABI_VERSION,
+        struct_size: std::mem::size_of::<sys::strata_hooks>() as u32,
+        user_data,
+        model_loaded: Some(model_loaded),
+        model_freed: Some(model_freed),
+        moe_experts: Some(moe_experts),
+    };
+    // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
+    if unsafe { sys::strata_hooks_set(&table) } != 0 {
+        // SAFETY: no preconditions.
+        let library = unsafe { sys::strata_hooks_abi_version() };
+        return Err(AbiMismatch { library, ours: sys::STRATA_HOOKS_ABI_VERSION });
+    }
+    Ok(())
+}
+
+/// Removes the installed hooks; llama.cpp behaves as upstream again.
+pub fn clear() {
+    // SAFETY: NULL is the documented way to remove the hooks.
+    unsafe { sys::strata_hooks_set(std::ptr::null()) };
+}

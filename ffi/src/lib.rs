@@ -1,0 +1,36 @@
+//! The only crate that calls llama.cpp. `sys` is the raw bindgen output; everything else is a
+//! safe owning wrapper: each handle is a `NonNull`, a null return becomes a typed error, and
+//! `Drop` frees it.
+
+pub mod sys {
+    #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code)]
+    #![allow(clippy::all, clippy::undocumented_unsafe_blocks)]
+    include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
+}
+
+mod backend;
+mod batch;
+mod chat;
+mod context;
+mod error;
+pub mod hooks;
+mod model;
+mod params;
+mod sampler;
+mod shim_string;
+mod speculative;
+
+pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, set_log_callback, LogLevel};
+pub use batch::Batch;
+pub use chat::{json_schema_to_grammar, parse_chat_message, ChatTemplates};
+pub use context::{Context, ContextParams};
+pub use error::{DecodeError, FfiError, Result};
+pub use model::{Model, ModelParams, Token, Vocab};
+pub use params::{ParseOutcome, ServerParams};
+pub use sampler::Sampler;
+pub use speculative::Speculative;
+
+/// Where the build put libllama and the backend modules (for tools that link the same build).
+pub const LLAMA_LIB_DIR: &str = env!("STRATA_LLAMA_LIB_DIR");
+/// The patched llama.cpp source tree this crate was built from.
+pub const LLAMA_SRC_DIR: &str = env!("STRATA_LLAMA_SRC_DIR");

@@ -1,0 +1,218 @@
+use std::ffi::c_char;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::ptr::NonNull;
+
+use crate::error::{FfiError, Result};
+use crate::shim_string;
+use crate::sys;
+
+pub type Token = sys::llama_token;
+
+/// llama_model_params, possibly borrowing from the `ServerParams` it came from.
+pub struct ModelParams<'a> {
+    raw: sys::llama_model_params,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl ModelParams<'_> {
+    pub(crate) fn from_raw(raw: sys::llama_model_params) -> Self {
+        Self { raw, _borrow: PhantomData }
+    }
+}
+
+impl Default for ModelParams<'static> {
+    fn default() -> Self {
+        // SAFETY: returns a plain struct of defaults.
+        let mut raw = unsafe { sys::llama_model_default_params() };
+        raw.n_gpu_layers = 0;
+        Self::from_raw(raw)
+    }
+}
+
+pub struct Model {
+    ptr: NonNull<sys::llama_model>,
+}
+
+// SAFETY: a loaded llama_model is immutable; llama.cpp reads it concurrently from any number
+// of contexts and threads (this is how llama-server shares one model across slots).
+unsafe impl Send for Model {}
+// SAFETY: see Send: every API that takes `const llama_model *` is read-only.
+unsafe impl Sync for Model {}
+
+impl ModelParams<'static> {
+    /// Only the vocabulary: enough for tokenization, no weights read.
+    pub fn vocab_only() -> Self {
+        let mut p = Self::default();
+        p.raw.vocab_only = true;
+        p
+    }
+}
+
+impl Model {
+    pub fn load(path: &Path, params: &ModelParams<'_>) -> Result<Self> {
+        crate::backend::load_backends();
+        let display = path.display().to_string();
+        let c_path = shim_string::cstring(&display, "model path")?;
+        // SAFETY: valid C string and params; a null return means failure.
+        let ptr = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), params.raw) };
+        NonNull::new(ptr).map(|ptr| Self { ptr }).ok_or(FfiError::ModelLoad(display))
+    }
+
+    pub fn as_ptr(&self) -> *mut sys::llama_model {
+        self.ptr.as_ptr()
+    }
+
+    pub fn vocab(&self) -> Vocab<'_> {
+        // SAFETY: valid model; the vocab lives as long as the model.
+        let ptr = unsafe { sys::llama_model_get_vocab(self.as_ptr()) };
+        Vocab { ptr: NonNull::new(ptr as *mut _).expect("model without vocab"), _model: PhantomData }
+    }
+
+    pub fn n_ctx_train(&self) -> i32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }
+    }
+
+    pub fn n_params(&self) -> u64 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_params(self.as_ptr()) }
+    }
+
+    pub fn size(&self) -> u64 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_size(self.as_ptr()) }
+    }
+
+    pub fn desc(&self) -> String {
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: buf is writable for its length; the result is NUL-terminated.
+        unsafe { sys::llama_model_desc(self.as_ptr(), buf.as_mut_ptr(), buf.len()) };
+        // SAFETY: NUL-terminated by llama_model_desc.
+        unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+    }
+
+    /// A GGUF metadata value as a string, if present.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        let key = shim_string::cstring(key, "metadata key").ok()?;
+        let mut buf = vec![0u8; 256];
+        loop {
+            // SAFETY: buf is writable for its length.
+            let n = unsafe { sys::llama_model_meta_val_str(self.as_ptr(), key.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n < 0 {
+                return None;
+            }
+            if (n as usize) < buf.len() {
+                buf.truncate(n as usize);
+                return Some(String::from_utf8_lossy(&buf).into_owned());
+            }
+            buf.resize(n as usize + 1, 0);
+        }
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: we own the model; contexts borrow it and are dropped first.
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// The model's vocabulary, borrowed from it.
+#[derive(Clone, Copy)]
+pub struct Vocab<'m> {
+    ptr: NonNull<sys::llama_vocab>,
+    _model: PhantomData<&'m Model>,
+}
+
+impl Vocab<'_> {
+    pub fn n_tokens(&self) -> i32 {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_n_tokens(self.ptr.as_ptr()) }
+    }
+
+    pub fn bos(&self) -> Token {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_bos(self.ptr.as_ptr()) }
+    }
+
+    pub fn eos(&self) -> Token {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_eos(self.ptr.as_ptr()) }
+    }
+
+    pub fn is_eog(&self, t: Token) -> bool {
+        // SAFETY: valid vocab; out-of-range tokens are handled by llama.cpp.
+        unsafe { sys::llama_vocab_is_eog(self.ptr.as_ptr(), t) }
+    }
+
+    pub fn add_bos(&self) -> bool {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_get_add_bos(self.ptr.as_ptr()) }
+    }
+
+    pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| FfiError::Tokenize("text too long".into()))?;
+        let mut out = vec![0 as Token; text.len() + 2];
+        for _ in 0..2 {
+            // SAFETY: text is valid for len bytes (no NUL needed); out is writable for its length.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.ptr.as_ptr(),
+                    text.as_ptr().cast(),
+                    len,
+                    out.as_mut_ptr(),
+                    out.len() as i32,
+                    add_special,
+                    parse_special,
+                )
+            };
+            if n == i32::MIN {
+                return Err(FfiError::Tokenize("token count overflows i32".into()));
+            }
+            if n >= 0 {
+                out.truncate(n as usize);
+                return Ok(out);
+            }
+            out.resize((-n) as usize, 0);
+        }
+        Err(FfiError::Tokenize("buffer size changed between calls".into()))
+    }
+
+    /// One token's text piece as bytes (may be a partial UTF-8 sequence).
+    pub fn token_to_piece(&self, t: Token, special: bool) -> Vec<u8> {
+        let mut buf = vec![0u8; 32];
+        loop {
+            // SAFETY: buf is writable for its length.
+            let n = unsafe { sys::llama_token_to_piece(self.ptr.as_ptr(), t, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special) };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> String {
+        let mut buf = vec![0u8; tokens.len() * 8 + 16];
+        loop {
+            // SAFETY: tokens and buf are valid for their lengths.
+            let n = unsafe {
+                sys::llama_detokenize(
+                    self.ptr.as_ptr(),
+                    tokens.as_ptr(),
+                    tokens.len() as i32,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    remove_special,
+                    unparse_special,
+                )
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return String::from_utf8_lossy(&buf).into_owned();
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+}

@@ -1,0 +1,75 @@
+use std::ffi::{c_char, c_int, CString};
+use std::ptr::NonNull;
+
+use crate::error::{FfiError, Result};
+use crate::shim_string;
+use crate::sys;
+
+/// llama-server's parsed command line (common_params), owned.
+pub struct ServerParams {
+    ptr: NonNull<sys::strata_params>,
+}
+
+// SAFETY: common_params is plain data owned exclusively by this handle; nothing in llama.cpp
+// keeps a pointer to it, so moving it to another thread is sound.
+unsafe impl Send for ServerParams {}
+
+pub enum ParseOutcome {
+    Parsed(ServerParams),
+    /// Upstream's message is already on stderr; upstream exits with status 1.
+    Rejected,
+}
+
+impl ServerParams {
+    /// Parses argv (argv[0] included) with llama.cpp's own parser for LLAMA_EXAMPLE_SERVER.
+    /// `--help` prints upstream's text, calls `usage`, and exits 0 inside, as upstream does.
+    pub fn parse(args: &[String], usage: Option<extern "C" fn(c_int, *mut *mut c_char)>) -> Result<ParseOutcome> {
+        let owned: Vec<CString> = args
+            .iter()
+            .map(|a| shim_string::cstring(a, "argument"))
+            .collect::<Result<_>>()?;
+        let mut argv: Vec<*mut c_char> = owned.iter().map(|a| a.as_ptr() as *mut c_char).collect();
+        argv.push(std::ptr::null_mut());
+        // SAFETY: argv is a NULL-terminated array of valid C strings that outlive the call;
+        // common_params_parse does not keep pointers into it.
+        let ptr = unsafe { sys::strata_params_parse(owned.len() as c_int, argv.as_mut_ptr(), usage.map(|f| f as unsafe extern "C" fn(c_int, *mut *mut c_char))) };
+        Ok(match NonNull::new(ptr) {
+            Some(ptr) => ParseOutcome::Parsed(Self { ptr }),
+            None => ParseOutcome::Rejected,
+        })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const sys::strata_params {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut sys::strata_params {
+        self.ptr.as_ptr()
+    }
+
+    /// The server-relevant fields (see params_json in the shim).
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        // SAFETY: valid handle; the returned string is owned by us.
+        let s = shim_string::take(unsafe { sys::strata_params_json(self.as_ptr()) })
+            .ok_or(FfiError::Shim("strata_params_json returned NULL".into()))?;
+        Ok(serde_json::from_str(&s)?)
+    }
+
+    pub fn model_params(&mut self) -> crate::ModelParams<'_> {
+        // SAFETY: valid handle; the returned struct may point into common_params (tensor
+        // overrides, devices), which lives as long as self.
+        crate::ModelParams::from_raw(unsafe { sys::strata_params_model(self.as_mut_ptr()) })
+    }
+
+    pub fn context_params(&self) -> crate::ContextParams {
+        // SAFETY: valid handle.
+        crate::ContextParams::from_raw(unsafe { sys::strata_params_context(self.as_ptr()) })
+    }
+}
+
+impl Drop for ServerParams {
+    fn drop(&mut self) {
+        // SAFETY: we own the handle and free it once.
+        unsafe { sys::strata_params_free(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,59 @@
+use std::ptr::NonNull;
+
+use serde_json::Value;
+
+use crate::context::Context;
+use crate::error::Result;
+use crate::model::{Model, Token};
+use crate::params::ServerParams;
+use crate::shim_string::{call, cstring};
+use crate::sys;
+
+/// llama.cpp's `common_sampler`: the server's sampler chain, grammar included.
+pub struct Sampler {
+    ptr: NonNull<sys::strata_sampler>,
+}
+
+// SAFETY: the sampler owns its state exclusively and is used by one thread at a time (&mut).
+unsafe impl Send for Sampler {}
+
+impl Sampler {
+    /// Defaults from the parsed flags (or llama.cpp's defaults), overridden by `overrides`
+    /// whose keys are common_params_sampling's field names.
+    pub fn new(model: &Model, defaults: Option<&ServerParams>, overrides: &Value) -> Result<Self> {
+        let ovr = cstring(&overrides.to_string(), "sampling overrides")?;
+        let params = defaults.map_or(std::ptr::null(), |p| p.as_ptr());
+        let ptr = call(|err| {
+            // SAFETY: valid model, params (or null) and C string for the call.
+            NonNull::new(unsafe { sys::strata_sampler_init(model.as_ptr(), params, ovr.as_ptr(), err) })
+        })?;
+        Ok(Self { ptr })
+    }
+
+    pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Token {
+        // SAFETY: valid sampler and context; idx refers to an output of the last decode.
+        unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx) }
+    }
+
+    pub fn accept(&mut self, token: Token, accept_grammar: bool) {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_accept(self.ptr.as_ptr(), token, accept_grammar) }
+    }
+
+    pub fn reset(&mut self) {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_reset(self.ptr.as_ptr()) }
+    }
+
+    pub fn seed(&self) -> u32 {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_seed(self.ptr.as_ptr()) }
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        // SAFETY: owned handle, freed once.
+        unsafe { sys::strata_sampler_free(self.ptr.as_ptr()) }
+    }
+}

@@ -1,0 +1,81 @@
+//! strata-server: llama-server's command line and HTTP API over the pinned, patched llama.cpp.
+
+mod engine;
+mod error;
+mod flags;
+mod http;
+
+use std::ffi::{c_char, c_int};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context as _, Result};
+use strata_ffi::{ParseOutcome, ServerParams};
+
+extern "C" fn print_strata_usage(_argc: c_int, _argv: *mut *mut c_char) {
+    strata_ffi::flush_c_stdio();
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(flags::help_section().as_bytes());
+    let _ = out.flush();
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let (strata_args, llama_args) = match flags::split(&args) {
+        Ok(split) => split,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(1);
+        }
+    };
+    strata_ffi::common_init();
+    let params = match ServerParams::parse(&llama_args, Some(print_strata_usage)) {
+        Ok(ParseOutcome::Parsed(p)) => p,
+        Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match serve(params, strata_args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("strata-server: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
+    for flag in strata.own_flags() {
+        eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
+    }
+    let cfg = params.to_json().context("reading parsed parameters")?;
+    let host = cfg["hostnames"][0].as_str().unwrap_or("127.0.0.1").to_string();
+    let port = cfg["port"].as_i64().unwrap_or(8080);
+    let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
+    let model_alias = cfg["model_alias"]
+        .as_array()
+        .and_then(|a| a.first())
+        .and_then(|v| v.as_str())
+        .map(String::from)
+        .unwrap_or_else(|| model_path.to_string_lossy().into_owned());
+    let n_predict_default = cfg["n_predict"].as_i64().unwrap_or(-1) as i32;
+
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((host.as_str(), port as u16))
+            .await
+            .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
+        let addr = listener.local_addr()?;
+        let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_predict_default });
+        eprintln!("main: server is listening on http://{addr}");
+        axum::serve(listener, http::router(engine))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,87 @@
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::support::repo;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn fetch(env: &[(&str, &Path)]) -> (i32, String) {
+    let out = Command::new("bash")
+        .arg(repo().join("vendor/fetch"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
+        .output()
+        .unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn pin_file() -> String {
+    let pin = std::fs::read_to_string(repo().join("vendor/pin.env")).unwrap();
+    pin.lines().find_map(|l| l.strip_prefix("PIN_FILE=")).unwrap().to_string()
+}
+
+#[test]
+fn a_tarball_with_the_wrong_checksum_is_refused() {
+    let cache = tmp("fetch-bad-sum");
+    std::fs::write(cache.join(pin_file()), b"not the pinned release").unwrap();
+    let out = cache.join("out");
+    let (code, err) = fetch(&[("STRATA_VENDOR_CACHE", &cache), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(!out.exists(), "nothing may be extracted from a bad tarball");
+}
+
+#[test]
+fn a_series_with_a_broken_patch_is_refused_and_a_good_one_applies_once() {
+    let patches = tmp("fetch-patches");
+    let out = patches.join("out");
+    for e in std::fs::read_dir(repo().join("patches")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, patches.join(p.file_name().unwrap())).unwrap();
+    }
+    let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.join("include/strata-hooks.h").exists());
+    let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 0);
+    assert!(!err.contains("applying"), "a second run must be a no-op: {err}");
+
+    std::fs::write(
+        patches.join("9999-broken.patch"),
+        "--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1,3 +1,3 @@\n-this line is not in llama.cpp\n+nor is this\n context\n",
+    )
+    .unwrap();
+    let mut series = std::fs::read_to_string(patches.join("series")).unwrap();
+    series.push_str("9999-broken.patch\n");
+    std::fs::write(patches.join("series"), series).unwrap();
+    let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("patch 9999-broken.patch does not apply"), "{err}");
+    assert!(out.join("include/strata-hooks.h").exists(), "a failed re-apply must keep the last good tree");
+}
+
+#[test]
+fn a_missing_tool_is_named() {
+    let bin = tmp("fetch-path");
+    for tool in ["bash", "tar", "sha256sum", "dirname", "cat", "grep", "cut", "mkdir"] {
+        let real = which(tool);
+        std::os::unix::fs::symlink(real, bin.join(tool)).unwrap();
+    }
+    let out = Command::new(bin.join("bash"))
+        .arg(repo().join("vendor/fetch"))
+        .env("PATH", &bin)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("missing tool 'patch'"), "{err}");
+}
+
+fn which(tool: &str) -> PathBuf {
+    let out = Command::new("bash").args(["-c", &format!("command -v {tool}")]).output().unwrap();
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}

@@ -1,0 +1,71 @@
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::{json, Value};
+use strata_ffi::{ChatTemplates, Model, ModelParams};
+
+use crate::support::{golden, model, Server};
+
+const PROMPT: &str = "The capital of France is";
+const N_PREDICT: usize = 32;
+const GEMMA: &str = "gemma3-270m-q4_k_m.gguf";
+
+/// Builds tests/ref/greedy.c against the same libllama that strata-server uses.
+fn reference_binary() -> PathBuf {
+    let lib = strata_ffi::LLAMA_LIB_DIR;
+    let src = PathBuf::from(strata_ffi::LLAMA_SRC_DIR);
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("greedy-ref");
+    let status = Command::new("cc")
+        .arg(crate::support::repo().join("tests/ref/greedy.c"))
+        .arg("-o")
+        .arg(&out)
+        .arg(format!("-I{}", src.join("include").display()))
+        .arg(format!("-I{}", src.join("ggml/include").display()))
+        .arg(format!("-L{lib}"))
+        .arg(format!("-Wl,-rpath,{lib}"))
+        .args(["-lllama", "-lggml", "-lggml-base"])
+        .status()
+        .expect("run cc");
+    assert!(status.success(), "compiling the C reference failed");
+    out
+}
+
+fn reference_tokens() -> Vec<i64> {
+    let out = Command::new(reference_binary())
+        .args([model(GEMMA).to_str().unwrap(), PROMPT, &N_PREDICT.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().split_whitespace().map(|t| t.parse().unwrap()).collect()
+}
+
+#[test]
+fn greedy_32_tokens_are_stable_and_equal_the_c_api() {
+    let want = reference_tokens();
+    assert_eq!(want.len(), N_PREDICT, "the reference stopped early: {want:?}");
+    let server = Server::start(&["-m", model(GEMMA).to_str().unwrap(), "-c", "512"], &[]);
+    let req = json!({"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0});
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let (status, body) = server.post("/completion", &req);
+        assert_eq!(status, 200, "{body}");
+        let toks: Vec<i64> = body["tokens"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap()).collect();
+        assert!(!body["content"].as_str().unwrap().is_empty());
+        runs.push(toks);
+    }
+    assert_eq!(runs[0], runs[1], "two greedy runs differ");
+    assert_eq!(runs[0], want, "strata-server and llama.cpp's C API differ");
+}
+
+#[test]
+fn chat_template_equals_upstream_apply_template() {
+    let upstream: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.json")).unwrap();
+    let messages: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.request.json")).unwrap();
+    let model = Model::load(&model(GEMMA), &ModelParams::default()).unwrap();
+    let tmpl = ChatTemplates::new(&model, None).unwrap();
+    let out = tmpl
+        .apply(&json!({"messages": messages["messages"], "add_generation_prompt": true, "use_jinja": true}))
+        .unwrap();
+    assert_eq!(out["prompt"], upstream["prompt"]);
+    assert!(out["prompt"].as_str().unwrap().contains("<start_of_turn>model\n"));
+}

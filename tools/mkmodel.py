@@ -1,0 +1,838 @@
+#!/usr/bin/env python3
+"""Write synthetic GGUF models of real llama.cpp architectures.
+
+    python3 tools/mkmodel.py ARCH --out FILE [--seed N] [--layers N] [--embd N]
+        [--experts N] [--experts-used K] [--expert-ffn N] [--router-skew S]
+        [--quant TYPE] [--quant-rest TYPE] [--shape NAME] [--vocab NAME] [--dry-run]
+
+ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp).
+A preset is a plain dict of hyperparameters; SHAPES holds named overrides
+(--shape) for bigger variants of a preset. Command line options override both.
+
+The tokenizer (every tokenizer.* key) is copied byte for byte from the real
+vocabulary $STRATA_LLAMA_SRC/models/ggml-vocab-<vocab>.gguf, optionally with a
+chat template from $STRATA_LLAMA_SRC/models/templates/. STRATA_LLAMA_SRC
+defaults to <repo>/vendor/llama.cpp; its gguf-py package supplies the GGUF
+constants.
+
+Weights
+-------
+Every tensor gets its own random generator seeded from (--seed, crc32(name)),
+so the same arguments always give the same bytes. Weight matrices have a
+target standard deviation of 1/sqrt(fan_in) (fan_in = row length); matrices
+that write into the residual stream (attention output, FFN/expert down,
+ssm_out, per-layer projections) are further scaled by 1/sqrt(2 * n_layer) so
+the residual stream stays bounded in deep models. Norm weights are 1.
+
+Quantized tensors are written directly as blocks of random codes whose scales
+are chosen so the dequantized values have the target standard deviation:
+
+  q8_0     d = std / 73.6 * U(0.75, 1.25) per block, codes uniform in [-127, 127]
+  q4_k     per-32 scales uniform in [16, 63], mins set to centre the uniform
+           4-bit codes, d = std / (4.61 * rms(scale))
+  iq3_xxs  any byte is a valid grid index / sign index / 4-bit scale, so the 96
+           code bytes are random and d = std / rms(dequantized unit block)
+
+Token embeddings are drawn as floats (they may carry an offset, see below) and
+quantized with simple vectorized q8_0 / q4_k quantizers; iq3_xxs is not offered
+for them and falls back to q4_k. Other non-expert matrices whose row length is
+not a multiple of the requested block size fall back to q8_0, then f16. Routers,
+norms and other vectors are f32.
+
+Router skew
+-----------
+For MoE presets, every token embedding carries a constant offset mu = 1 on
+all channels (in addition to N(0, 1) noise). After RMS normalization the
+router input x therefore has a roughly constant mean, sum(x) ~= GAIN * n_embd
+with GAIN = ROUTER_BIAS_GAIN (about 0.65; it varies by roughly +-15 % with the
+token and the depth). For a trunk layer l, expert e gets the popularity rank
+
+    rank_e = router_ranks(seed, l, n_expert)[e]      (a seeded permutation)
+
+and the bias
+
+    b_e = -S * ln(1 + rank_e)                        (S = --router-skew)
+
+which is added to every element of router row e as b_e / (GAIN * n_embd), on
+top of the N(0, 1/n_embd) random part. The router logit of expert e is thus
+about N(0, 1) + b_e, i.e. the routing prior is Zipf-like,
+exp(b_e) = (1 + rank_e) ** -S: S = 0 is uniform, S = 1 makes the rank-0 expert
+about n_expert / H(n_expert) times as likely a priori as an average one.
+MTP/NextN layers get no skew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import struct
+import sys
+import types
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+GENERATOR_VERSION = 1
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def llama_src() -> Path:
+    return Path(os.environ.get("STRATA_LLAMA_SRC") or REPO / "vendor" / "llama.cpp")
+
+
+def _import_gguf():
+    sys.path.insert(0, str(llama_src() / "gguf-py"))
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        # gguf/metadata.py imports yaml at module level but only uses it for model cards
+        sys.modules["yaml"] = types.ModuleType("yaml")
+    import gguf
+    return gguf
+
+
+gguf = _import_gguf()
+GT = gguf.GGMLQuantizationType
+VT = gguf.GGUFValueType
+
+QUANT_NAMES = {
+    "f32": GT.F32,
+    "f16": GT.F16,
+    "q8_0": GT.Q8_0,
+    "q4_k": GT.Q4_K,
+    "iq3_xxs": GT.IQ3_XXS,
+}
+
+FILE_TYPES = {
+    GT.F32: gguf.LlamaFileType.ALL_F32,
+    GT.F16: gguf.LlamaFileType.MOSTLY_F16,
+    GT.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+    GT.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    GT.IQ3_XXS: gguf.LlamaFileType.MOSTLY_IQ3_XXS,
+}
+
+ROUTER_BIAS_GAIN = 0.65
+EMBD_OFFSET_MOE = 1.0
+
+# ---------------------------------------------------------------------------
+# presets
+
+PRESETS: dict[str, dict] = {
+    "qwen3moe": dict(
+        arch="qwen3moe", vocab="qwen2", template="Qwen-Qwen3-0.6B.jinja",
+        n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+        n_expert=16, n_expert_used=4, n_ff_exp=64,
+        n_ctx=4096, rope_base=1_000_000.0, rms_eps=1e-6,
+        tied_output=False, embd_std=1.0, embd_offset=EMBD_OFFSET_MOE,
+    ),
+    "llama": dict(
+        arch="llama", vocab="llama-spm", template=None,
+        n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+        n_ctx=4096, rope_base=10_000.0, rms_eps=1e-5,
+        tied_output=False, embd_std=1.0, embd_offset=0.0,
+    ),
+    "gemma4": dict(
+        arch="gemma4", vocab="gemma-4", template=None,  # the vocab file carries the template
+        n_layer=4, n_embd=64, n_head=4, n_head_kv_swa=2, n_head_kv_full=1,
+        head_dim_swa=32, head_dim_full=64, rope_partial_full=0.25,
+        n_ff=128, n_embd_per_layer=8, swa_period=2, kv_shared_frac=0.5,
+        sliding_window=128, final_softcap=30.0,
+        n_ctx=8192, rope_base=1_000_000.0, rope_base_swa=10_000.0, rms_eps=1e-6,
+        tied_output=True, embd_std=None, embd_offset=0.0,  # embd_std None: 1/sqrt(n_embd)
+    ),
+    "qwen35moe-mtp": dict(
+        arch="qwen35moe", vocab="qwen35", template="Qwen3.5-4B.jinja",
+        n_layer=4, n_nextn=1, full_attn_interval=4,
+        n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_rot=16, rope_sections=[3, 3, 2, 0],
+        n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff_shexp=64,
+        ssm_d_conv=4, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4,
+        n_ctx=4096, rope_base=10_000_000.0, rms_eps=1e-6,
+        tied_output=False, embd_std=1.0, embd_offset=EMBD_OFFSET_MOE,
+    ),
+}
+
+SHAPES: dict[str, dict[str, dict]] = {
+    "qwen3moe": {
+        "80b-a3b": dict(
+            n_layer=48, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,
+            n_expert=512, n_expert_used=10, n_ff_exp=512,
+            n_ctx=262144, tied_output=False,
+        ),
+    },
+}
+
+
+# ---------------------------------------------------------------------------
+# tensor plan
+
+@dataclass
+class TensorSpec:
+    name: str
+    ne: tuple[int, ...]           # ggml order: ne[0] is the row length
+    role: str                     # expert | matrix | embd | router | f32
+    std: float = 0.0
+    offset: float = 0.0           # embd: constant added to every element
+    row_bias: np.ndarray | None = None   # router: constant added to each row
+    init: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray] | None = None  # f32 tensors
+    qtype: int = GT.F32
+
+    @property
+    def n_rows(self) -> int:
+        return math.prod(self.ne[1:])
+
+    @property
+    def nbytes(self) -> int:
+        block, size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return self.n_rows * (self.ne[0] // block) * size
+
+
+@dataclass
+class Model:
+    arch: str
+    kv: list[tuple[str, int, object]] = field(default_factory=list)
+    tensors: list[TensorSpec] = field(default_factory=list)
+
+    def add_kv(self, key: str, vtype: int, value) -> None:
+        self.kv.append((key.format(arch=self.arch), vtype, value))
+
+    def u32(self, key: str, value: int) -> None:
+        self.add_kv(key, VT.UINT32, int(value))
+
+    def f32(self, key: str, value: float) -> None:
+        self.add_kv(key, VT.FLOAT32, float(value))
+
+    def arr(self, key: str, vtype: int, values) -> None:
+        self.add_kv(key, VT.ARRAY, (vtype, list(values)))
+
+    def weight(self, name: str, ne: tuple[int, ...], role: str = "matrix", resid: bool = False, **kw) -> None:
+        std = 1.0 / math.sqrt(ne[0])
+        if resid:
+            std /= math.sqrt(2 * self.n_layer)
+        self.tensors.append(TensorSpec(name, tuple(ne), role, std=std, **kw))
+
+    def vec(self, name: str, ne: tuple[int, ...], init) -> None:
+        self.tensors.append(TensorSpec(name, tuple(ne), "f32", init=init))
+
+    def norm(self, name: str, n: int) -> None:
+        self.vec(name, (n,), ones)
+
+    n_layer: int = 0
+
+
+def ones(rng, shape):
+    return np.ones(shape, dtype=np.float32)
+
+
+def const(value: float):
+    return lambda rng, shape: np.full(shape, value, dtype=np.float32)
+
+
+def normal(std: float):
+    return lambda rng, shape: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+
+def uniform(lo: float, hi: float):
+    return lambda rng, shape: (rng.random(shape, dtype=np.float32) * np.float32(hi - lo) + np.float32(lo))
+
+
+def router_ranks(seed: int, layer: int, n_expert: int) -> np.ndarray:
+    """rank of each expert (0 = most popular) in trunk layer `layer`."""
+    return np.random.default_rng([seed, 0x5EED, layer]).permutation(n_expert)
+
+
+def router_bias(seed: int, layer: int, n_expert: int, skew: float) -> np.ndarray:
+    """b_e = -skew * ln(1 + rank_e): the intended additive router-logit bias per expert."""
+    return (-skew * np.log1p(router_ranks(seed, layer, n_expert))).astype(np.float32)
+
+
+def add_router(m: Model, hp: dict, il: int, skew_layer: bool) -> None:
+    n_embd, n_expert = hp["n_embd"], hp["n_expert"]
+    row_bias = None
+    if skew_layer and hp["router_skew"] != 0.0:
+        b = router_bias(hp["seed"], il, n_expert, hp["router_skew"])
+        row_bias = b / np.float32(ROUTER_BIAS_GAIN * n_embd)
+    m.weight(f"blk.{il}.ffn_gate_inp.weight", (n_embd, n_expert), role="router", row_bias=row_bias)
+
+
+def add_experts(m: Model, hp: dict, il: int) -> None:
+    n_embd, n_ff, n_exp = hp["n_embd"], hp["n_ff_exp"], hp["n_expert"]
+    m.weight(f"blk.{il}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), role="expert")
+    m.weight(f"blk.{il}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), role="expert")
+    m.weight(f"blk.{il}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), role="expert", resid=True)
+
+
+def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float) -> None:
+    n_embd = hp["n_embd"]
+    m.u32("{arch}.context_length", hp["n_ctx"])
+    m.u32("{arch}.embedding_length", n_embd)
+    m.f32("{arch}.attention.layer_norm_rms_epsilon", hp["rms_eps"])
+    m.f32("{arch}.rope.freq_base", hp["rope_base"])
+    m.tensors.append(TensorSpec("token_embd.weight", (n_embd, n_vocab), "embd",
+                                std=embd_std, offset=hp["embd_offset"]))
+    m.norm("output_norm.weight", n_embd)
+    if not hp["tied_output"]:
+        m.weight("output.weight", (n_embd, n_vocab))
+
+
+def add_moe_kv(m: Model, hp: dict) -> None:
+    m.u32("{arch}.expert_count", hp["n_expert"])
+    m.u32("{arch}.expert_used_count", hp["n_expert_used"])
+    m.u32("{arch}.expert_feed_forward_length", hp["n_ff_exp"])
+
+
+def build_qwen3moe(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, hd, nh, nkv = hp["n_embd"], hp["head_dim"], hp["n_head"], hp["n_head_kv"]
+    m.u32("{arch}.block_count", hp["n_layer"])
+    m.u32("{arch}.feed_forward_length", hp["n_ff_exp"])
+    m.u32("{arch}.attention.head_count", nh)
+    m.u32("{arch}.attention.head_count_kv", nkv)
+    m.u32("{arch}.attention.key_length", hd)
+    m.u32("{arch}.attention.value_length", hd)
+    m.u32("{arch}.rope.dimension_count", hd)
+    add_moe_kv(m, hp)
+    add_common(m, hp, n_vocab, hp["embd_std"])
+    for il in range(hp["n_layer"]):
+        p = f"blk.{il}."
+        m.norm(p + "attn_norm.weight", n_embd)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.norm(p + "attn_q_norm.weight", hd)
+        m.norm(p + "attn_k_norm.weight", hd)
+        m.norm(p + "ffn_norm.weight", n_embd)
+        add_router(m, hp, il, True)
+        add_experts(m, hp, il)
+
+
+def build_llama(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, nh, nkv, n_ff = hp["n_embd"], hp["n_head"], hp["n_head_kv"], hp["n_ff"]
+    if n_embd % nh:
+        raise SystemExit(f"llama: n_embd {n_embd} must be a multiple of n_head {nh}")
+    hd = n_embd // nh
+    m.u32("{arch}.block_count", hp["n_layer"])
+    m.u32("{arch}.feed_forward_length", n_ff)
+    m.u32("{arch}.attention.head_count", nh)
+    m.u32("{arch}.attention.head_count_kv", nkv)
+    m.u32("{arch}.rope.dimension_count", hd)
+    m.u32("{arch}.vocab_size", n_vocab)
+    add_common(m, hp, n_vocab, hp["embd_std"])
+    for il in range(hp["n_layer"]):
+        p = f"blk.{il}."
+        m.norm(p + "attn_norm.weight", n_embd)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.norm(p + "ffn_norm.weight", n_embd)
+        m.weight(p + "ffn_gate.weight", (n_embd, n_ff))
+        m.weight(p + "ffn_up.weight", (n_embd, n_ff))
+        m.weight(p + "ffn_down.weight", (n_ff, n_embd), resid=True)
+
+
+def gemma4_layout(hp: dict) -> tuple[list[bool], int]:
+    """SWA pattern and number of KV-sharing layers.
+
+    llama.cpp lets a KV-sharing layer reuse the cache of layer n_kv-2 (SWA) or
+    n_kv-1 (full attention), so the last two layers that own a cache must be
+    SWA then full; ending every period with a full-attention layer and making
+    n_kv a multiple of the period guarantees that."""
+    n_layer, period = hp["n_layer"], hp["swa_period"]
+    swa = [(il + 1) % period != 0 for il in range(n_layer)]
+    periods = max(1, round(n_layer * (1 - hp["kv_shared_frac"]) / period))
+    n_kv = min(periods * period, n_layer // period * period)
+    if n_kv < 2:
+        return swa, 0
+    return swa, n_layer - n_kv
+
+
+def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, n_layer, nh, n_ff = hp["n_embd"], hp["n_layer"], hp["n_head"], hp["n_ff"]
+    hd_swa, hd_full, n_pl = hp["head_dim_swa"], hp["head_dim_full"], hp["n_embd_per_layer"]
+    swa, n_shared = gemma4_layout(hp)
+    n_kv = [hp["n_head_kv_swa"] if s else hp["n_head_kv_full"] for s in swa]
+
+    m.u32("{arch}.block_count", n_layer)
+    m.u32("{arch}.feed_forward_length", n_ff)
+    m.u32("{arch}.attention.head_count", nh)
+    m.arr("{arch}.attention.head_count_kv", VT.INT32, n_kv)
+    m.u32("{arch}.attention.key_length", hd_full)
+    m.u32("{arch}.attention.value_length", hd_full)
+    m.u32("{arch}.attention.key_length_swa", hd_swa)
+    m.u32("{arch}.attention.value_length_swa", hd_swa)
+    m.u32("{arch}.rope.dimension_count", hd_full)
+    m.u32("{arch}.rope.dimension_count_swa", hd_swa)
+    m.f32("{arch}.rope.freq_base_swa", hp["rope_base_swa"])
+    m.u32("{arch}.attention.sliding_window", hp["sliding_window"])
+    m.arr("{arch}.attention.sliding_window_pattern", VT.BOOL, swa)
+    m.u32("{arch}.attention.shared_kv_layers", n_shared)
+    m.u32("{arch}.embedding_length_per_layer_input", n_pl)
+    m.f32("{arch}.final_logit_softcapping", hp["final_softcap"])
+
+    add_common(m, hp, n_vocab, 1.0 / math.sqrt(n_embd))  # the graph scales embeddings by sqrt(n_embd)
+    m.tensors.append(TensorSpec("per_layer_token_embd.weight", (n_pl * n_layer, n_vocab), "embd",
+                                std=1.0 / math.sqrt(n_pl)))
+    m.weight("per_layer_model_proj.weight", (n_embd, n_pl * n_layer))
+    m.norm("per_layer_proj_norm.weight", n_pl)
+
+    # proportional rope on full-attention layers: only the first pairs rotate
+    n_rot_pairs = int(hd_full * hp["rope_partial_full"] / 2)
+    freqs = np.array([1.0] * n_rot_pairs + [1e30] * (hd_full // 2 - n_rot_pairs), dtype=np.float32)
+    m.vec("rope_freqs.weight", (hd_full // 2,), lambda rng, shape: freqs.copy())
+
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        hd = hd_swa if swa[il] else hd_full
+        m.norm(p + "attn_norm.weight", n_embd)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
+        m.weight(p + "attn_k.weight", (n_embd, hd * n_kv[il]))
+        m.weight(p + "attn_v.weight", (n_embd, hd * n_kv[il]))
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd))
+        m.norm(p + "attn_q_norm.weight", hd)
+        m.norm(p + "attn_k_norm.weight", hd)
+        m.norm(p + "post_attention_norm.weight", n_embd)
+        m.vec(p + "layer_output_scale.weight", (1,), ones)
+        m.norm(p + "ffn_norm.weight", n_embd)
+        m.weight(p + "ffn_gate.weight", (n_embd, n_ff))
+        m.weight(p + "ffn_up.weight", (n_embd, n_ff))
+        m.weight(p + "ffn_down.weight", (n_ff, n_embd))
+        m.norm(p + "post_ffw_norm.weight", n_embd)
+        m.weight(p + "inp_gate.weight", (n_embd, n_pl))
+        m.weight(p + "proj.weight", (n_pl, n_embd), resid=True)
+        m.norm(p + "post_norm.weight", n_embd)
+
+
+def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, hd, nh, nkv = hp["n_embd"], hp["head_dim"], hp["n_head"], hp["n_head_kv"]
+    n_trunk, n_nextn, interval = hp["n_layer"], hp["n_nextn"], hp["full_attn_interval"]
+    d_conv, d_state, n_group, dt_rank = hp["ssm_d_conv"], hp["ssm_d_state"], hp["ssm_n_group"], hp["ssm_dt_rank"]
+    key_dim, value_dim = d_state * n_group, d_state * dt_rank
+    conv_dim = 2 * key_dim + value_dim
+    n_ff_sh = hp["n_ff_shexp"]
+
+    m.u32("{arch}.block_count", n_trunk + n_nextn)
+    m.u32("{arch}.nextn_predict_layers", n_nextn)
+    m.u32("{arch}.feed_forward_length", hp["n_ff_exp"])
+    m.u32("{arch}.attention.head_count", nh)
+    m.u32("{arch}.attention.head_count_kv", nkv)
+    m.u32("{arch}.attention.key_length", hd)
+    m.u32("{arch}.attention.value_length", hd)
+    m.u32("{arch}.rope.dimension_count", hp["n_rot"])
+    m.arr("{arch}.rope.dimension_sections", VT.INT32, hp["rope_sections"])
+    m.u32("{arch}.expert_shared_feed_forward_length", n_ff_sh)
+    m.u32("{arch}.ssm.conv_kernel", d_conv)
+    m.u32("{arch}.ssm.state_size", d_state)
+    m.u32("{arch}.ssm.group_count", n_group)
+    m.u32("{arch}.ssm.time_step_rank", dt_rank)
+    m.u32("{arch}.ssm.inner_size", value_dim)
+    m.u32("{arch}.full_attention_interval", interval)
+    add_moe_kv(m, hp)
+    add_common(m, hp, n_vocab, hp["embd_std"])
+
+    def attention(p: str) -> None:
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh * 2))  # query and output gate
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.norm(p + "attn_q_norm.weight", hd)
+        m.norm(p + "attn_k_norm.weight", hd)
+
+    def moe(p: str, il: int, skew_layer: bool) -> None:
+        add_router(m, hp, il, skew_layer)
+        add_experts(m, hp, il)
+        m.vec(p + "ffn_gate_inp_shexp.weight", (n_embd,), normal(1.0 / math.sqrt(n_embd)))
+        m.weight(p + "ffn_gate_shexp.weight", (n_embd, n_ff_sh))
+        m.weight(p + "ffn_up_shexp.weight", (n_embd, n_ff_sh))
+        m.weight(p + "ffn_down_shexp.weight", (n_ff_sh, n_embd), resid=True)
+
+    for il in range(n_trunk):
+        p = f"blk.{il}."
+        m.norm(p + "attn_norm.weight", n_embd)
+        m.norm(p + "post_attention_norm.weight", n_embd)
+        if (il + 1) % interval == 0:
+            attention(p)
+        else:
+            m.weight(p + "attn_qkv.weight", (n_embd, conv_dim))
+            m.weight(p + "attn_gate.weight", (n_embd, value_dim))
+            m.vec(p + "ssm_conv1d.weight", (d_conv, conv_dim), normal(1.0 / math.sqrt(d_conv)))
+            m.vec(p + "ssm_dt.bias", (dt_rank,), const(0.0))
+            m.vec(p + "ssm_a", (dt_rank,), uniform(-8.0, -1.0))  # -exp(A_log)
+            m.weight(p + "ssm_beta.weight", (n_embd, dt_rank))
+            m.weight(p + "ssm_alpha.weight", (n_embd, dt_rank))
+            m.norm(p + "ssm_norm.weight", d_state)
+            m.weight(p + "ssm_out.weight", (value_dim, n_embd), resid=True)
+        moe(p, il, True)
+
+    for il in range(n_trunk, n_trunk + n_nextn):
+        p = f"blk.{il}."
+        m.norm(p + "attn_norm.weight", n_embd)
+        m.norm(p + "post_attention_norm.weight", n_embd)
+        attention(p)
+        moe(p, il, False)
+        m.weight(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd))
+        m.norm(p + "nextn.enorm.weight", n_embd)
+        m.norm(p + "nextn.hnorm.weight", n_embd)
+        m.norm(p + "nextn.shared_head_norm.weight", n_embd)
+
+
+BUILDERS = {
+    "qwen3moe": build_qwen3moe,
+    "llama": build_llama,
+    "gemma4": build_gemma4,
+    "qwen35moe": build_qwen35moe,
+}
+
+
+# ---------------------------------------------------------------------------
+# quantized block writers
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+Q8_UNIFORM_STD = math.sqrt((255 ** 2 - 1) / 12)          # codes uniform in [-127, 127]
+Q4_UNIFORM_STD = math.sqrt((16 ** 2 - 1) / 12)           # codes uniform in [0, 15]
+Q4_SCALE_LO, Q4_SCALE_HI = 16, 63
+Q4_SCALE_RMS = math.sqrt(np.mean(np.arange(Q4_SCALE_LO, Q4_SCALE_HI + 1, dtype=np.float64) ** 2))
+
+
+def _iq3_unit_rms() -> float:
+    gguf.quants.IQ3_XXS.init_grid()
+    grid_ms = float(np.mean(gguf.quants.IQ3_XXS.grid.astype(np.float64) ** 2))
+    scale_ms = float(np.mean((np.arange(16) + 0.5) ** 2))   # db = d * (0.5 + s) * 0.5
+    return math.sqrt(0.25 * scale_ms * grid_ms)
+
+
+IQ3_UNIT_RMS = _iq3_unit_rms()
+
+
+def pack_q4_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and mins per block into the 12-byte q4_K layout."""
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def pack_q4_k_codes(q: np.ndarray) -> np.ndarray:
+    """q: (n_blocks, 8, 32) codes 0..15 -> (n_blocks, 128) bytes; sub-blocks 2j and 2j+1 share bytes."""
+    q = q.astype(np.uint8)
+    return (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(q.shape[0], 128)
+
+
+def random_blocks(qtype: int, rng: np.random.Generator, n_rows: int, row_len: int, std: float) -> np.ndarray:
+    """Random but valid data for n_rows rows; dequantized values have standard deviation ~std."""
+    if qtype in (GT.F32, GT.F16):
+        x = rng.standard_normal((n_rows, row_len), dtype=np.float32) * np.float32(std)
+        return x.astype(np.float16 if qtype == GT.F16 else np.float32).view(np.uint8)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    nb = n_rows * (row_len // block)
+    if qtype == GT.Q8_0:
+        d = (rng.random(nb, dtype=np.float32) * np.float32(0.5) + np.float32(0.75)) * np.float32(std / Q8_UNIFORM_STD)
+        qs = rng.integers(-127, 128, size=(nb, 32), dtype=np.int8)
+        return np.concatenate([_f16_bytes(d), qs.view(np.uint8)], axis=1)
+    if qtype == GT.Q4_K:
+        sc = rng.integers(Q4_SCALE_LO, Q4_SCALE_HI + 1, size=(nb, 8), dtype=np.uint8)
+        # dmin = 8 d and m = 15/16 sc centre the codes: d*sc*q - dmin*m ~= d*sc*(q - 7.5)
+        mn = np.rint(sc * np.float32(15 / 16)).astype(np.uint8)
+        d = np.full(nb, std / (Q4_UNIFORM_STD * Q4_SCALE_RMS), dtype=np.float32)
+        qs = rng.integers(0, 256, size=(nb, 128), dtype=np.uint8)
+        return np.concatenate([_f16_bytes(d), _f16_bytes(d * 8), pack_q4_k_scales(sc, mn), qs], axis=1)
+    if qtype == GT.IQ3_XXS:
+        d = np.full(nb, std / IQ3_UNIT_RMS, dtype=np.float32)
+        body = rng.integers(0, 256, size=(nb, 96), dtype=np.uint8)
+        return np.concatenate([_f16_bytes(d), body], axis=1)
+    raise ValueError(f"no random writer for {qtype.name}")
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1) / np.float32(127)
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(b * inv[:, None]), -127, 127).astype(np.int8)
+    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=1)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(-1, 8, 32)
+    lo = np.minimum(b.min(axis=2), 0)
+    hi = b.max(axis=2)
+    scale = (hi - lo) / np.float32(15)
+    mins = -lo
+    d = (scale.max(axis=1) / np.float32(63)).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(axis=1) / np.float32(63)).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 63)
+    mn = np.clip(np.rint(np.divide(mins, dmin[:, None], out=np.zeros_like(mins), where=dmin[:, None] > 0)), 0, 63)
+    eff_scale = d[:, None] * sc
+    eff_min = dmin[:, None] * mn
+    num = b + eff_min[:, :, None]
+    den = np.broadcast_to(eff_scale[:, :, None], num.shape)
+    q = np.clip(np.rint(np.divide(num, den, out=np.zeros_like(num), where=den > 0)), 0, 15)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin),
+                           pack_q4_k_scales(sc.astype(np.uint8), mn.astype(np.uint8)),
+                           pack_q4_k_codes(q)], axis=1)
+
+
+def encode_floats(qtype: int, x: np.ndarray) -> np.ndarray:
+    if qtype == GT.F32:
+        return x.astype(np.float32).view(np.uint8)
+    if qtype == GT.F16:
+        return x.astype(np.float16).view(np.uint8)
+    if qtype == GT.Q8_0:
+        return quantize_q8_0(x)
+    if qtype == GT.Q4_K:
+        return quantize_q4_k(x)
+    raise ValueError(f"no float quantizer for {qtype.name}")
+
+
+CHUNK_ELEMS = 1 << 24
+
+
+def tensor_chunks(t: TensorSpec, seed: int) -> Iterator[np.ndarray]:
+    """The tensor's bytes, a bounded number of rows at a time."""
+    rng = np.random.default_rng([seed, zlib.crc32(t.name.encode())])
+    if t.role == "f32":
+        yield t.init(rng, tuple(reversed(t.ne))).astype(np.float32).view(np.uint8)
+        return
+    row_len, n_rows = t.ne[0], t.n_rows
+    step = max(1, CHUNK_ELEMS // row_len)
+    for r0 in range(0, n_rows, step):
+        r = min(step, n_rows - r0)
+        if t.role in ("embd", "router"):
+            x = rng.standard_normal((r, row_len), dtype=np.float32) * np.float32(t.std)
+            if t.offset:
+                x += np.float32(t.offset)
+            if t.role == "router":
+                # a centred random part keeps the mean of the router input from biasing experts
+                x -= x.mean(axis=1, keepdims=True)
+                if t.row_bias is not None:
+                    x += t.row_bias[r0:r0 + r, None]
+            yield encode_floats(t.qtype, x)
+        else:
+            yield random_blocks(t.qtype, rng, r, row_len, t.std)
+
+
+# ---------------------------------------------------------------------------
+# type selection
+
+def _fits(qtype: int, row_len: int) -> bool:
+    return row_len % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def assign_types(m: Model, quant: int, quant_rest: int) -> None:
+    for t in m.tensors:
+        if t.role in ("f32", "router"):
+            t.qtype = GT.F32
+        elif t.role == "expert":
+            if not _fits(quant, t.ne[0]):
+                block = gguf.GGML_QUANT_SIZES[quant][0]
+                raise SystemExit(f"{t.name}: row length {t.ne[0]} is not a multiple of {block} "
+                                 f"({quant.name}); choose --embd/--expert-ffn accordingly")
+            t.qtype = quant
+        else:
+            want = quant_rest
+            if t.role == "embd" and want == GT.IQ3_XXS:
+                want = GT.Q4_K
+            for q in (want, GT.Q8_0, GT.F16):
+                if _fits(q, t.ne[0]):
+                    t.qtype = q
+                    break
+
+
+# ---------------------------------------------------------------------------
+# GGUF output
+
+_SCALAR_FMT = {
+    VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h",
+    VT.UINT32: "<I", VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?",
+    VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d",
+}
+ALIGNMENT = 32
+
+
+def _pack_str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def _pack_value(vtype: int, value) -> bytes:
+    if vtype == VT.STRING:
+        return _pack_str(value)
+    if vtype == VT.ARRAY:
+        sub, items = value
+        out = [struct.pack("<IQ", sub, len(items))]
+        out += [_pack_value(sub, v) for v in items]
+        return b"".join(out)
+    return struct.pack(_SCALAR_FMT[vtype], value)
+
+
+def pack_kv(key: str, vtype: int, value) -> bytes:
+    return _pack_str(key) + struct.pack("<I", vtype) + _pack_value(vtype, value)
+
+
+def scan_kvs(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
+    """Raw bytes of every KV pair in a GGUF file, and the element count of each array KV."""
+    buf = memoryview(path.read_bytes())
+    magic, version, _n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+    if magic != gguf.GGUF_MAGIC or version < 2:
+        raise SystemExit(f"{path}: not a GGUF v2+ file")
+    off = 24
+    raw: dict[str, bytes] = {}
+    counts: dict[str, int] = {}
+    unpack_q = struct.Struct("<Q").unpack_from
+
+    def skip(vtype: int, pos: int, n: int = 1) -> int:
+        if vtype == VT.STRING:
+            for _ in range(n):
+                pos += 8 + unpack_q(buf, pos)[0]
+            return pos
+        return pos + n * struct.calcsize(_SCALAR_FMT[vtype])
+
+    for _ in range(n_kv):
+        start = off
+        klen = unpack_q(buf, off)[0]
+        key = bytes(buf[off + 8: off + 8 + klen]).decode()
+        off += 8 + klen
+        vtype = struct.unpack_from("<I", buf, off)[0]
+        off += 4
+        if vtype == VT.ARRAY:
+            sub, n = struct.unpack_from("<IQ", buf, off)
+            off = skip(sub, off + 12, n)
+            counts[key] = n
+        else:
+            off = skip(vtype, off)
+        raw[key] = bytes(buf[start:off])
+    return raw, counts
+
+
+def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], seed: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    infos = []
+    offset = 0
+    for t in tensors:
+        info = _pack_str(t.name) + struct.pack("<I", len(t.ne))
+        info += b"".join(struct.pack("<Q", n) for n in t.ne)
+        info += struct.pack("<IQ", t.qtype, offset)
+        infos.append(info)
+        offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(tensors), len(kv_blobs)))
+        for blob in kv_blobs:
+            f.write(blob)
+        for info in infos:
+            f.write(info)
+        f.write(b"\0" * (-f.tell() % ALIGNMENT))
+        for t in tensors:
+            written = 0
+            for chunk in tensor_chunks(t, seed):
+                chunk.tofile(f)
+                written += chunk.nbytes
+            if written != t.nbytes:
+                raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
+            f.write(b"\0" * (-written % ALIGNMENT))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------
+
+def resolve_hparams(args: argparse.Namespace) -> dict:
+    hp = dict(PRESETS[args.arch])
+    if args.shape:
+        shapes = SHAPES.get(args.arch, {})
+        if args.shape not in shapes:
+            raise SystemExit(f"unknown shape {args.shape!r} for {args.arch}; known: {', '.join(shapes) or 'none'}")
+        hp.update(shapes[args.shape])
+    overrides = {
+        "n_layer": args.layers, "n_embd": args.embd, "n_expert": args.experts,
+        "n_expert_used": args.experts_used, "n_ff_exp": args.expert_ffn, "vocab": args.vocab,
+    }
+    for key, value in overrides.items():
+        if value is not None:
+            if key not in hp:
+                raise SystemExit(f"{args.arch} has no {key} to override")
+            hp[key] = value
+    hp["seed"] = args.seed
+    hp["router_skew"] = args.router_skew
+    if "n_expert" in hp and not 0 < hp["n_expert_used"] <= hp["n_expert"]:
+        raise SystemExit("need 0 < experts-used <= experts")
+    return hp
+
+
+def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
+    hp = resolve_hparams(args)
+    src = llama_src()
+    vocab_path = src / "models" / f"ggml-vocab-{hp['vocab']}.gguf"
+    if not vocab_path.is_file():
+        raise SystemExit(f"vocabulary not found: {vocab_path} (set STRATA_LLAMA_SRC)")
+    vocab_kv, counts = scan_kvs(vocab_path)
+    tok_kv = {k: v for k, v in vocab_kv.items() if k.startswith("tokenizer.")}
+    if hp["template"]:
+        template = (src / "models" / "templates" / hp["template"]).read_text(encoding="utf-8")
+        tok_kv["tokenizer.chat_template"] = pack_kv("tokenizer.chat_template", VT.STRING, template)
+    n_vocab = counts["tokenizer.ggml.tokens"]
+
+    m = Model(arch=hp["arch"])
+    m.n_layer = hp["n_layer"] + hp.get("n_nextn", 0)
+    hp["embd_std"] = hp.get("embd_std") or 1.0 / math.sqrt(hp["n_embd"])
+    BUILDERS[hp["arch"]](m, hp, n_vocab)
+    assign_types(m, QUANT_NAMES[args.quant], QUANT_NAMES[args.quant_rest])
+
+    main_type = QUANT_NAMES[args.quant] if any(t.role == "expert" for t in m.tensors) else QUANT_NAMES[args.quant_rest]
+    desc = (f"synthetic model written by strata tools/mkmodel.py v{GENERATOR_VERSION}: "
+            f"preset={args.arch} shape={args.shape or '-'} seed={args.seed} router_skew={args.router_skew} "
+            f"quant={args.quant} quant_rest={args.quant_rest}")
+    head = [
+        pack_kv("general.architecture", VT.STRING, hp["arch"]),
+        pack_kv("general.type", VT.STRING, "model"),
+        pack_kv("general.name", VT.STRING, f"strata-synthetic-{args.arch}"),
+        pack_kv("general.description", VT.STRING, desc),
+        pack_kv("general.file_type", VT.UINT32, int(FILE_TYPES[main_type])),
+        pack_kv("general.quantization_version", VT.UINT32, gguf.GGML_QUANT_VERSION),
+    ]
+    blobs = head + [pack_kv(k, t, v) for k, t, v in m.kv] + list(tok_kv.values())
+    return m, blobs, hp
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("arch", choices=sorted(PRESETS))
+    ap.add_argument("--out", type=Path, help="output .gguf file")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", help="named hyperparameter set from SHAPES")
+    ap.add_argument("--layers", type=int, help="number of (trunk) layers")
+    ap.add_argument("--embd", type=int, help="embedding width")
+    ap.add_argument("--experts", type=int, help="experts per MoE layer")
+    ap.add_argument("--experts-used", type=int, help="experts routed per token")
+    ap.add_argument("--expert-ffn", type=int, help="per-expert FFN width")
+    ap.add_argument("--router-skew", type=float, default=0.0, help="Zipf exponent of the router bias (0 = uniform)")
+    ap.add_argument("--quant", choices=sorted(QUANT_NAMES), default="q8_0", help="type of expert tensors")
+    ap.add_argument("--quant-rest", choices=sorted(QUANT_NAMES), default="q8_0", help="type of other matrices")
+    ap.add_argument("--vocab", help="vocabulary name: models/ggml-vocab-<name>.gguf")
+    ap.add_argument("--dry-run", action="store_true", help="print the tensor plan and size, write nothing")
+    ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))
+    args = ap.parse_args(argv)
+
+    m, blobs, hp = plan(args)
+    total = sum(-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in m.tensors) + sum(map(len, blobs))
+    if args.dry_run:
+        for t in m.tensors:
+            print(f"{t.name:40s} {t.qtype.name:8s} {str(t.ne):24s} {t.nbytes}")
+        print(f"total ~{total / 2**20:.1f} MiB in {len(m.tensors)} tensors")
+        return 0
+    if args.out is None:
+        ap.error("--out is required unless --dry-run")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_gguf(args.out, blobs, m.tensors, args.seed)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, {len(m.tensors)} tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
