@@ -85,3 +85,49 @@ fn which(tool: &str) -> PathBuf {
     let out = Command::new("bash").args(["-c", &format!("command -v {tool}")]).output().unwrap();
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
+
+/// A small tree holding only the files the series touches, copied from the pristine pin.
+fn mini_tree(name: &str) -> PathBuf {
+    let out = Command::new("bash").arg(repo().join("vendor/fetch")).arg("--pristine").output().unwrap();
+    let pristine = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let tree = tmp(name);
+    for f in ["include/llama.h", "src/CMakeLists.txt", "src/llama-graph.cpp", "src/llama.cpp", "src/llama-model.cpp"] {
+        std::fs::create_dir_all(tree.join(f).parent().unwrap()).unwrap();
+        std::fs::copy(pristine.join(f), tree.join(f)).unwrap();
+    }
+    tree
+}
+
+fn repin(tree: &Path) -> (i32, String) {
+    let out = Command::new(repo().join("tools/repin")).arg(tree).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn results(report: &str) -> Vec<&str> {
+    report.lines().skip(1).map(|l| l.split_whitespace().next().unwrap()).collect()
+}
+
+fn edit(path: &Path, from: &str, to: &str) {
+    let s = std::fs::read_to_string(path).unwrap();
+    assert!(s.contains(from));
+    std::fs::write(path, s.replacen(from, to, 1)).unwrap();
+}
+
+#[test]
+fn repin_reports_applied_fuzzed_and_failed() {
+    let (code, report) = repin(&mini_tree("repin-same"));
+    assert_eq!(code, 0, "{report}");
+    assert!(results(&report).iter().all(|r| *r == "applied"), "{report}");
+
+    let fuzzy = mini_tree("repin-fuzzy");
+    edit(&fuzzy.join("src/llama-model.cpp"), "#include \"llama-ext.h\"", "#include \"llama-ext-renamed.h\"");
+    let (code, report) = repin(&fuzzy);
+    assert_eq!(code, 0, "{report}");
+    assert_eq!(results(&report)[0], "fuzzed", "{report}");
+
+    let broken = mini_tree("repin-broken");
+    edit(&broken.join("src/llama-model.cpp"), "void llama_model_free(llama_model * model) {\n    delete model;", "void llama_model_free(llama_model * m) {\n    delete m;");
+    let (code, report) = repin(&broken);
+    assert_eq!(code, 1, "{report}");
+    assert_eq!(results(&report)[0], "failed", "{report}");
+}
