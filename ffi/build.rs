@@ -83,7 +83,9 @@ fn build_llama(src: &Path) -> PathBuf {
         .define("LLAMA_USE_PREBUILT_UI", "OFF")
         .define("LLAMA_OPENSSL", "OFF")
         .define("LLAMA_BUILD_NUMBER", pin_build(src))
-        .define("CMAKE_INSTALL_RPATH", "$ORIGIN");
+        .define("CMAKE_INSTALL_RPATH", "$ORIGIN")
+        // The pin is no git checkout: keep build-info from reporting Strata's own commit.
+        .env("GIT_CEILING_DIRECTORIES", src.parent().unwrap());
     if which("ninja") {
         cfg.generator("Ninja");
     }

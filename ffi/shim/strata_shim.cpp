@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +89,28 @@ strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usag
         return nullptr;
     }
     return p;
+}
+
+void strata_params_server_defaults(strata_params * p) {
+    common_params & params = p->params;
+    if (params.embedding && params.n_batch > params.n_ubatch) {
+        LOG_WRN("embeddings enabled with n_batch (%d) > n_ubatch (%d)\n", params.n_batch, params.n_ubatch);
+        LOG_WRN("setting n_batch = n_ubatch = %d to avoid assertion failure\n", params.n_ubatch);
+        params.n_batch = params.n_ubatch;
+    }
+    if (params.n_parallel < 0) {
+        params.n_parallel = 4;
+        params.kv_unified = true;
+    }
+    const bool ctx_pool_auto_sized = params.kv_unified_per_slot > 0 && params.n_ctx == 0 &&
+                                     (uint32_t) params.fit_params_min_ctx != UINT32_MAX;
+    if (ctx_pool_auto_sized) {
+        params.n_ctx = params.n_parallel * params.kv_unified_per_slot;
+    }
+    const std::string model_name = params.model.get_name();
+    if (params.model_alias.empty() && !model_name.empty()) {
+        params.model_alias.insert(model_name);
+    }
 }
 
 void strata_params_free(strata_params * p) {
@@ -206,6 +229,9 @@ static common_chat_templates_inputs inputs_from_json(const json & j) {
         in.tool_choice = common_chat_tool_choice_parse_oaicompat(j.at("tool_choice").get<std::string>());
     }
     in.add_generation_prompt = j.value("add_generation_prompt", true);
+    if (j.contains("continue_final_message")) {
+        in.continue_final_message = common_chat_continuation_parse(common_json::parse(j.at("continue_final_message").dump()));
+    }
     in.use_jinja             = j.value("use_jinja", true);
     in.enable_thinking       = j.value("enable_thinking", true);
     in.parallel_tool_calls   = j.value("parallel_tool_calls", false);
@@ -390,10 +416,29 @@ uint32_t strata_sampler_seed(const strata_sampler * s) {
 
 strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err) {
     return guarded<strata_speculative *>(err, nullptr, [&]() -> strata_speculative * {
+        common_params & params = p->params;
         auto * s = new strata_speculative;
-        llama_model * model_tgt = const_cast<llama_model *>(llama_get_model(ctx_tgt));
-        s->init = common_speculative_init_from_params(p->params, model_tgt, ctx_tgt);
-        s->spec = common_speculative_init(p->params.speculative, n_seq);
+        const auto & types = params.speculative.types;
+        const bool spec_mtp = std::find(types.begin(), types.end(), COMMON_SPECULATIVE_TYPE_DRAFT_MTP) != types.end();
+        // A draft model or an MTP head needs its own context, made as llama-server makes it.
+        if (params.speculative.has_dft() || spec_mtp) {
+            llama_model * model_tgt = const_cast<llama_model *>(llama_get_model(ctx_tgt));
+            common_params params_dft = common_base_params_to_speculative(params);
+            s->init = common_speculative_init_from_params(params_dft, model_tgt, ctx_tgt);
+            if (params.speculative.has_dft() && s->init->model() == nullptr) {
+                delete s;
+                set_err(err, "failed to load draft model, '" + params_dft.model.path + "'");
+                return nullptr;
+            }
+            if (s->init->context() == nullptr) {
+                delete s;
+                set_err(err, "failed to create the draft/MTP context");
+                return nullptr;
+            }
+            params.speculative.draft.ctx_tgt = ctx_tgt;
+            params.speculative.draft.ctx_dft = s->init->context();
+        }
+        s->spec = common_speculative_init(params.speculative, n_seq);
         if (!s->spec) {
             delete s;
             set_err(err, "speculative decoding: no drafter could be initialised from the given settings");

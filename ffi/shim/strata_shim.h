@@ -35,6 +35,10 @@ typedef void (*strata_usage_fn)(int argc, char ** argv);
 strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage);
 void            strata_params_free(strata_params * p);
 
+// The adjustments llama-server's main makes after parsing: n_batch for embeddings, -np auto
+// (4 slots, unified KV), the KV pool from --kv-unified-per-slot, the model name as alias.
+void strata_params_server_defaults(strata_params * p);
+
 // The fields the server reads, as a JSON object (see params_json in strata_shim.cpp).
 char * strata_params_json(const strata_params * p);
 
@@ -53,7 +57,7 @@ strata_chat_templates * strata_chat_templates_init(const struct llama_model * mo
 void                    strata_chat_templates_free(strata_chat_templates * t);
 
 // inputs_json: {"messages": [OpenAI messages], "tools": [...], "tool_choice": "auto",
-// "add_generation_prompt": true, "use_jinja": true, "enable_thinking": true,
+// "add_generation_prompt": true, "continue_final_message": false, "use_jinja": true, "enable_thinking": true,
 // "reasoning_format": "none", "parallel_tool_calls": false, "json_schema": "...",
 // "grammar": "...", "chat_template_kwargs": {"k": "json value"}, "add_bos": false, "add_eos": false}
 // Returns {"prompt", "format", "grammar", "grammar_lazy", "generation_prompt",

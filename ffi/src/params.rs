@@ -47,6 +47,12 @@ impl ServerParams {
         self.ptr.as_ptr()
     }
 
+    /// llama-server's own post-parse adjustments (-np auto = 4 slots with unified KV, ...).
+    pub fn apply_server_defaults(&mut self) {
+        // SAFETY: valid, exclusively borrowed handle.
+        unsafe { sys::strata_params_server_defaults(self.as_mut_ptr()) }
+    }
+
     /// The server-relevant fields (see params_json in the shim).
     pub fn to_json(&self) -> Result<serde_json::Value> {
         // SAFETY: valid handle; the returned string is owned by us.

@@ -30,7 +30,7 @@ fn main() -> ExitCode {
         }
     };
     strata_ffi::common_init();
-    let params = match ServerParams::parse(&llama_args, Some(print_strata_usage)) {
+    let mut params = match ServerParams::parse(&llama_args, Some(print_strata_usage)) {
         Ok(ParseOutcome::Parsed(p)) => p,
         Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
         Err(e) => {
@@ -38,6 +38,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    params.apply_server_defaults();
     match serve(params, strata_args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

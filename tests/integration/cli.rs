@@ -52,12 +52,12 @@ fn strata_flag_without_value_is_refused() {
 #[test]
 fn llama_arg_ctx_size_env_is_honoured() {
     let gemma = model("gemma3-270m-q4_k_m.gguf");
-    let server = Server::start(&["-m", gemma.to_str().unwrap()], &[("LLAMA_ARG_CTX_SIZE", "64")]);
-    let long = "one two three four five six seven eight nine ten ".repeat(8);
+    let server = Server::start(&["-m", gemma.to_str().unwrap()], &[("LLAMA_ARG_CTX_SIZE", "512")]);
+    let long = "one two three four five six seven eight nine ten ".repeat(60);
     let (status, body) = server.post("/completion", &serde_json::json!({"prompt": long, "n_predict": 1}));
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"]["type"], "exceed_context_size_error");
-    assert!(body["error"]["message"].as_str().unwrap().contains("(64 tokens)"), "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("(512 tokens)"), "{body}");
     let (status, body) = server.post("/completion", &serde_json::json!({"prompt": "one two", "n_predict": 1}));
     assert_eq!(status, 200, "{body}");
 }

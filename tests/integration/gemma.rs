@@ -57,15 +57,44 @@ fn greedy_32_tokens_are_stable_and_equal_the_c_api() {
     assert_eq!(runs[0], want, "strata-server and llama.cpp's C API differ");
 }
 
+/// Our template rendering against upstream llama-server's /apply-template (tools/golden), for the
+/// model's own template and for a Jinja template from the pin.
 #[test]
 fn chat_template_equals_upstream_apply_template() {
-    let upstream: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.json")).unwrap();
-    let messages: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.request.json")).unwrap();
+    let request: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.request.json")).unwrap();
+    let inputs = json!({"messages": request["messages"], "add_generation_prompt": true, "use_jinja": true});
     let model = Model::load(&model(GEMMA), &ModelParams::default()).unwrap();
-    let tmpl = ChatTemplates::new(&model, None).unwrap();
-    let out = tmpl
-        .apply(&json!({"messages": messages["messages"], "add_generation_prompt": true, "use_jinja": true}))
-        .unwrap();
-    assert_eq!(out["prompt"], upstream["prompt"]);
-    assert!(out["prompt"].as_str().unwrap().contains("<start_of_turn>model\n"));
+    let jinja_path = PathBuf::from(strata_ffi::LLAMA_SRC_DIR).join("models/templates/google-gemma-2-2b-it.jinja");
+    let jinja = std::fs::read_to_string(jinja_path).unwrap();
+    for (golden_name, tmpl) in [("gemma-apply-template", None), ("gemma-apply-template-jinja", Some(jinja.as_str()))] {
+        let upstream: Value = serde_json::from_str(&golden(&format!("llama-server/{golden_name}.json"))).unwrap();
+        let out = ChatTemplates::new(&model, tmpl).unwrap().apply(&inputs).unwrap();
+        assert_eq!(out["prompt"], upstream["prompt"], "{golden_name}");
+    }
+}
+
+/// llama.cpp's common_speculative through the shim, with the n-gram drafter: on a sequence
+/// that repeats, the draft is the continuation of the repetition.
+#[test]
+fn ngram_speculative_drafts_the_repetition() {
+    use strata_ffi::{Context, ContextParams, ParseOutcome, ServerParams, Speculative};
+    let gemma = model(GEMMA);
+    let args: Vec<String> = ["strata-server", "-m", gemma.to_str().unwrap(), "--spec-type", "ngram-simple"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let ParseOutcome::Parsed(mut params) = ServerParams::parse(&args, None).unwrap() else { panic!("flags rejected") };
+    let m = Model::load(&gemma, &ModelParams::default()).unwrap();
+    let mut ctx = Context::new(&m, ContextParams::default().with_n_ctx(512)).unwrap();
+    let mut spec = Speculative::new(&mut params, &mut ctx, 1).unwrap();
+
+    let period: Vec<i32> = (1000..1020).collect();
+    let history: Vec<i32> = period.iter().copied().cycle().take(period.len() * 6).collect();
+    let last = period[0];
+    spec.begin(0, &history);
+    let draft = spec.draft(0, &history, last, 16);
+    assert_eq!(draft.len(), 16, "{draft:?}");
+    let expected: Vec<i32> = period.iter().copied().cycle().skip(1).take(16).collect();
+    assert_eq!(draft, expected);
+    spec.accept(0, 4);
 }
