@@ -27,25 +27,35 @@ the residual stream stays bounded in deep models. Norm weights are 1.
 Quantized tensors are written directly as blocks of random codes whose scales
 are chosen so the dequantized values have the target standard deviation:
 
-  q8_0     d = std / 73.6 * U(0.75, 1.25) per block, codes uniform in [-127, 127]
-  q4_k     per-32 scales uniform in [16, 63], mins set to centre the uniform
-           4-bit codes, d = std / (4.61 * rms(scale))
+  q8_0     d = std / 73.5 * U(0.75, 1.25) per block, codes uniform in
+           [-127, 127] (random bytes, -128 replaced by 0)
+  q4_k     per-32 scales sc uniform in [16, 63], min m = sc and dmin = 8 d, so
+           values are d * sc * (q - 8); codes are random nibbles with 0
+           replaced by 8: zero-mean and symmetric
   iq3_xxs  any byte is a valid grid index / sign index / 4-bit scale, so the 96
            code bytes are random and d = std / rms(dequantized unit block)
 
-Token embeddings are drawn as floats (they may carry an offset, see below) and
-quantized with simple vectorized q8_0 / q4_k quantizers; iq3_xxs is not offered
-for them and falls back to q4_k. Other non-expert matrices whose row length is
-not a multiple of the requested block size fall back to q8_0, then f16. Routers,
+Token embeddings and routers are drawn as floats and quantized with simple
+vectorized q8_0 / q4_k quantizers (iq3_xxs is not offered for embeddings and
+falls back to q4_k). Other non-expert matrices whose row length is not a
+multiple of the requested block size fall back to q8_0, then f16. Routers,
 norms and other vectors are f32.
 
 Router skew
 -----------
-For MoE presets, every token embedding carries a constant offset mu = 1 on
-all channels (in addition to N(0, 1) noise). After RMS normalization the
-router input x therefore has a roughly constant mean, sum(x) ~= GAIN * n_embd
-with GAIN = ROUTER_BIAS_GAIN (about 0.65; it varies by roughly +-15 % with the
-token and the depth). For a trunk layer l, expert e gets the popularity rank
+MoE presets reserve residual channel 0 as a bias channel: every token
+embedding has the constant BIAS_CHANNEL_VALUE (c = 2) there, every matrix that
+writes into the residual stream has a zero output row 0, and every matrix
+that reads the normalized residual (q/k/v, gate/up, shared expert, linear
+attention inputs) has a zero input column 0 (for iq3_xxs, which has no zero
+code, the smallest code of the grid). Channel 0 of the residual therefore
+stays at c (to within the embedding's quantization, < 1 % for q8_0), and
+after RMS normalization the router input has
+
+    x_0 ~= X0 = c * sqrt(n_embd / (c**2 + n_embd - 1))
+
+(a few percent lower in deeper layers as the residual grows). For trunk layer
+l, expert e gets the popularity rank
 
     rank_e = router_ranks(seed, l, n_expert)[e]      (a seeded permutation)
 
@@ -53,12 +63,17 @@ and the bias
 
     b_e = -S * ln(1 + rank_e)                        (S = --router-skew)
 
-which is added to every element of router row e as b_e / (GAIN * n_embd), on
-top of the N(0, 1/n_embd) random part. The router logit of expert e is thus
-about N(0, 1) + b_e, i.e. the routing prior is Zipf-like,
-exp(b_e) = (1 + rank_e) ** -S: S = 0 is uniform, S = 1 makes the rank-0 expert
-about n_expert / H(n_expert) times as likely a priori as an average one.
-MTP/NextN layers get no skew.
+Router row e is N(0, 1/n_embd) on channels 1.. and exactly b_e / X0 on
+channel 0, so the router logit of expert e is about N(0, 1) + b_e: a
+Zipf-like routing prior exp(b_e) = (1 + rank_e) ** -S. S = 0 is uniform; the
+larger S, the more tokens go to the low-rank experts. MTP/NextN layers get no
+skew. Measured share of tokens routed to each expert, by rank, for the default
+qwen3moe preset (16 experts, top-4; a numpy forward pass over 512 random
+tokens, averaged over the 4 layers):
+
+    S = 0  0.23 .. 0.27 for every rank (0.25 = uniform)
+    S = 1  .88 .68 .50 .40 .31 .23 .21 .17 .12 .12 .09 .08 .07 .04 .05 .05
+    S = 2  .99 .93 .72 .52 .32 .18 .13 .08 .04 .03 .02 .01 .01 .01 .01 .00
 """
 
 from __future__ import annotations
@@ -116,8 +131,7 @@ FILE_TYPES = {
     GT.IQ3_XXS: gguf.LlamaFileType.MOSTLY_IQ3_XXS,
 }
 
-ROUTER_BIAS_GAIN = 0.65
-EMBD_OFFSET_MOE = 1.0
+BIAS_CHANNEL_VALUE = 2.0
 
 # ---------------------------------------------------------------------------
 # presets
@@ -128,22 +142,22 @@ PRESETS: dict[str, dict] = {
         n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
         n_expert=16, n_expert_used=4, n_ff_exp=64,
         n_ctx=4096, rope_base=1_000_000.0, rms_eps=1e-6,
-        tied_output=False, embd_std=1.0, embd_offset=EMBD_OFFSET_MOE,
+        tied_output=False, embd_std=1.0, bias_channel=True,
     ),
     "llama": dict(
         arch="llama", vocab="llama-spm", template=None,
         n_layer=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
         n_ctx=4096, rope_base=10_000.0, rms_eps=1e-5,
-        tied_output=False, embd_std=1.0, embd_offset=0.0,
+        tied_output=False, embd_std=1.0, bias_channel=False,
     ),
     "gemma4": dict(
-        arch="gemma4", vocab="gemma-4", template=None,  # the vocab file carries the template
+        arch="gemma4", vocab="gemma-4", template="google-gemma-4-31B-it.jinja",
         n_layer=4, n_embd=64, n_head=4, n_head_kv_swa=2, n_head_kv_full=1,
         head_dim_swa=32, head_dim_full=64, rope_partial_full=0.25,
         n_ff=128, n_embd_per_layer=8, swa_period=2, kv_shared_frac=0.5,
         sliding_window=128, final_softcap=30.0,
         n_ctx=8192, rope_base=1_000_000.0, rope_base_swa=10_000.0, rms_eps=1e-6,
-        tied_output=True, embd_std=None, embd_offset=0.0,  # embd_std None: 1/sqrt(n_embd)
+        tied_output=True, bias_channel=False,
     ),
     "qwen35moe-mtp": dict(
         arch="qwen35moe", vocab="qwen35", template="Qwen3.5-4B.jinja",
@@ -152,7 +166,7 @@ PRESETS: dict[str, dict] = {
         n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff_shexp=64,
         ssm_d_conv=4, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4,
         n_ctx=4096, rope_base=10_000_000.0, rms_eps=1e-6,
-        tied_output=False, embd_std=1.0, embd_offset=EMBD_OFFSET_MOE,
+        tied_output=False, embd_std=1.0, bias_channel=True,
     ),
 }
 
@@ -176,8 +190,9 @@ class TensorSpec:
     ne: tuple[int, ...]           # ggml order: ne[0] is the row length
     role: str                     # expert | matrix | embd | router | f32
     std: float = 0.0
-    offset: float = 0.0           # embd: constant added to every element
-    row_bias: np.ndarray | None = None   # router: constant added to each row
+    col0: float | np.ndarray | None = None  # embd/router: value(s) of input column 0 (per row)
+    zero_col0: bool = False       # input column 0 is zero (reads the bias channel)
+    zero_row0: bool = False       # output row 0 of every matrix is zero (writes the bias channel)
     init: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray] | None = None  # f32 tensors
     qtype: int = GT.F32
 
@@ -194,6 +209,8 @@ class TensorSpec:
 @dataclass
 class Model:
     arch: str
+    n_layer: int                  # all blocks, MTP/NextN included
+    bias_channel: bool
     kv: list[tuple[str, int, object]] = field(default_factory=list)
     tensors: list[TensorSpec] = field(default_factory=list)
 
@@ -209,11 +226,15 @@ class Model:
     def arr(self, key: str, vtype: int, values) -> None:
         self.add_kv(key, VT.ARRAY, (vtype, list(values)))
 
-    def weight(self, name: str, ne: tuple[int, ...], role: str = "matrix", resid: bool = False, **kw) -> None:
+    def weight(self, name: str, ne: tuple[int, ...], role: str = "matrix",
+               reads: bool = False, writes: bool = False, **kw) -> None:
+        """reads / writes: the matrix reads the normalized residual / writes into the residual."""
         std = 1.0 / math.sqrt(ne[0])
-        if resid:
+        if writes:
             std /= math.sqrt(2 * self.n_layer)
-        self.tensors.append(TensorSpec(name, tuple(ne), role, std=std, **kw))
+        self.tensors.append(TensorSpec(name, tuple(ne), role, std=std,
+                                       zero_col0=reads and self.bias_channel,
+                                       zero_row0=writes and self.bias_channel, **kw))
 
     def vec(self, name: str, ne: tuple[int, ...], init) -> None:
         self.tensors.append(TensorSpec(name, tuple(ne), "f32", init=init))
@@ -221,7 +242,11 @@ class Model:
     def norm(self, name: str, n: int) -> None:
         self.vec(name, (n,), ones)
 
-    n_layer: int = 0
+
+def bias_channel_x0(n_embd: int) -> float:
+    """expected channel 0 of the RMS-normalized residual when channel 0 holds BIAS_CHANNEL_VALUE."""
+    c = BIAS_CHANNEL_VALUE
+    return c * math.sqrt(n_embd / (c * c + n_embd - 1))
 
 
 def ones(rng, shape):
@@ -252,18 +277,19 @@ def router_bias(seed: int, layer: int, n_expert: int, skew: float) -> np.ndarray
 
 def add_router(m: Model, hp: dict, il: int, skew_layer: bool) -> None:
     n_embd, n_expert = hp["n_embd"], hp["n_expert"]
-    row_bias = None
-    if skew_layer and hp["router_skew"] != 0.0:
-        b = router_bias(hp["seed"], il, n_expert, hp["router_skew"])
-        row_bias = b / np.float32(ROUTER_BIAS_GAIN * n_embd)
-    m.weight(f"blk.{il}.ffn_gate_inp.weight", (n_embd, n_expert), role="router", row_bias=row_bias)
+    col0 = None
+    if m.bias_channel:
+        col0 = np.zeros(n_expert, dtype=np.float32)
+        if skew_layer:
+            col0 = router_bias(hp["seed"], il, n_expert, hp["router_skew"]) / np.float32(bias_channel_x0(n_embd))
+    m.weight(f"blk.{il}.ffn_gate_inp.weight", (n_embd, n_expert), role="router", col0=col0)
 
 
 def add_experts(m: Model, hp: dict, il: int) -> None:
     n_embd, n_ff, n_exp = hp["n_embd"], hp["n_ff_exp"], hp["n_expert"]
-    m.weight(f"blk.{il}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), role="expert")
-    m.weight(f"blk.{il}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), role="expert")
-    m.weight(f"blk.{il}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), role="expert", resid=True)
+    m.weight(f"blk.{il}.ffn_gate_exps.weight", (n_embd, n_ff, n_exp), role="expert", reads=True)
+    m.weight(f"blk.{il}.ffn_up_exps.weight", (n_embd, n_ff, n_exp), role="expert", reads=True)
+    m.weight(f"blk.{il}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), role="expert", writes=True)
 
 
 def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float) -> None:
@@ -272,8 +298,8 @@ def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float) -> None:
     m.u32("{arch}.embedding_length", n_embd)
     m.f32("{arch}.attention.layer_norm_rms_epsilon", hp["rms_eps"])
     m.f32("{arch}.rope.freq_base", hp["rope_base"])
-    m.tensors.append(TensorSpec("token_embd.weight", (n_embd, n_vocab), "embd",
-                                std=embd_std, offset=hp["embd_offset"]))
+    m.tensors.append(TensorSpec("token_embd.weight", (n_embd, n_vocab), "embd", std=embd_std,
+                                col0=BIAS_CHANNEL_VALUE if m.bias_channel else None))
     m.norm("output_norm.weight", n_embd)
     if not hp["tied_output"]:
         m.weight("output.weight", (n_embd, n_vocab))
@@ -299,10 +325,10 @@ def build_qwen3moe(m: Model, hp: dict, n_vocab: int) -> None:
     for il in range(hp["n_layer"]):
         p = f"blk.{il}."
         m.norm(p + "attn_norm.weight", n_embd)
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh), reads=True)
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
         m.norm(p + "attn_q_norm.weight", hd)
         m.norm(p + "attn_k_norm.weight", hd)
         m.norm(p + "ffn_norm.weight", n_embd)
@@ -325,14 +351,14 @@ def build_llama(m: Model, hp: dict, n_vocab: int) -> None:
     for il in range(hp["n_layer"]):
         p = f"blk.{il}."
         m.norm(p + "attn_norm.weight", n_embd)
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh), reads=True)
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
         m.norm(p + "ffn_norm.weight", n_embd)
-        m.weight(p + "ffn_gate.weight", (n_embd, n_ff))
-        m.weight(p + "ffn_up.weight", (n_embd, n_ff))
-        m.weight(p + "ffn_down.weight", (n_ff, n_embd), resid=True)
+        m.weight(p + "ffn_gate.weight", (n_embd, n_ff), reads=True)
+        m.weight(p + "ffn_up.weight", (n_embd, n_ff), reads=True)
+        m.weight(p + "ffn_down.weight", (n_ff, n_embd), writes=True)
 
 
 def gemma4_layout(hp: dict) -> tuple[list[bool], int]:
@@ -403,7 +429,7 @@ def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
         m.weight(p + "ffn_down.weight", (n_ff, n_embd))
         m.norm(p + "post_ffw_norm.weight", n_embd)
         m.weight(p + "inp_gate.weight", (n_embd, n_pl))
-        m.weight(p + "proj.weight", (n_pl, n_embd), resid=True)
+        m.weight(p + "proj.weight", (n_pl, n_embd))
         m.norm(p + "post_norm.weight", n_embd)
 
 
@@ -435,10 +461,10 @@ def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
     add_common(m, hp, n_vocab, hp["embd_std"])
 
     def attention(p: str) -> None:
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh * 2))  # query and output gate
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), resid=True)
+        m.weight(p + "attn_q.weight", (n_embd, hd * nh * 2), reads=True)  # query and output gate
+        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
+        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
         m.norm(p + "attn_q_norm.weight", hd)
         m.norm(p + "attn_k_norm.weight", hd)
 
@@ -446,9 +472,9 @@ def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
         add_router(m, hp, il, skew_layer)
         add_experts(m, hp, il)
         m.vec(p + "ffn_gate_inp_shexp.weight", (n_embd,), normal(1.0 / math.sqrt(n_embd)))
-        m.weight(p + "ffn_gate_shexp.weight", (n_embd, n_ff_sh))
-        m.weight(p + "ffn_up_shexp.weight", (n_embd, n_ff_sh))
-        m.weight(p + "ffn_down_shexp.weight", (n_ff_sh, n_embd), resid=True)
+        m.weight(p + "ffn_gate_shexp.weight", (n_embd, n_ff_sh), reads=True)
+        m.weight(p + "ffn_up_shexp.weight", (n_embd, n_ff_sh), reads=True)
+        m.weight(p + "ffn_down_shexp.weight", (n_ff_sh, n_embd), writes=True)
 
     for il in range(n_trunk):
         p = f"blk.{il}."
@@ -457,15 +483,15 @@ def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
         if (il + 1) % interval == 0:
             attention(p)
         else:
-            m.weight(p + "attn_qkv.weight", (n_embd, conv_dim))
-            m.weight(p + "attn_gate.weight", (n_embd, value_dim))
+            m.weight(p + "attn_qkv.weight", (n_embd, conv_dim), reads=True)
+            m.weight(p + "attn_gate.weight", (n_embd, value_dim), reads=True)
             m.vec(p + "ssm_conv1d.weight", (d_conv, conv_dim), normal(1.0 / math.sqrt(d_conv)))
             m.vec(p + "ssm_dt.bias", (dt_rank,), const(0.0))
             m.vec(p + "ssm_a", (dt_rank,), uniform(-8.0, -1.0))  # -exp(A_log)
-            m.weight(p + "ssm_beta.weight", (n_embd, dt_rank))
-            m.weight(p + "ssm_alpha.weight", (n_embd, dt_rank))
+            m.weight(p + "ssm_beta.weight", (n_embd, dt_rank), reads=True)
+            m.weight(p + "ssm_alpha.weight", (n_embd, dt_rank), reads=True)
             m.norm(p + "ssm_norm.weight", d_state)
-            m.weight(p + "ssm_out.weight", (value_dim, n_embd), resid=True)
+            m.weight(p + "ssm_out.weight", (value_dim, n_embd), writes=True)
         moe(p, il, True)
 
     for il in range(n_trunk, n_trunk + n_nextn):
@@ -495,8 +521,8 @@ def _f16_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
-Q8_UNIFORM_STD = math.sqrt((255 ** 2 - 1) / 12)          # codes uniform in [-127, 127]
-Q4_UNIFORM_STD = math.sqrt((16 ** 2 - 1) / 12)           # codes uniform in [0, 15]
+Q8_CODE_STD = math.sqrt(2 * sum(k * k for k in range(128)) / 256)  # random bytes, -128 -> 0
+Q4_CODE_STD = math.sqrt(2 * sum(k * k for k in range(8)) / 16)     # q - 8 for random nibbles, 0 -> 8
 Q4_SCALE_LO, Q4_SCALE_HI = 16, 63
 Q4_SCALE_RMS = math.sqrt(np.mean(np.arange(Q4_SCALE_LO, Q4_SCALE_HI + 1, dtype=np.float64) ** 2))
 
@@ -534,21 +560,40 @@ def random_blocks(qtype: int, rng: np.random.Generator, n_rows: int, row_len: in
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     nb = n_rows * (row_len // block)
     if qtype == GT.Q8_0:
-        d = (rng.random(nb, dtype=np.float32) * np.float32(0.5) + np.float32(0.75)) * np.float32(std / Q8_UNIFORM_STD)
-        qs = rng.integers(-127, 128, size=(nb, 32), dtype=np.int8)
-        return np.concatenate([_f16_bytes(d), qs.view(np.uint8)], axis=1)
+        d = (rng.random(nb, dtype=np.float32) * np.float32(0.5) + np.float32(0.75)) * np.float32(std / Q8_CODE_STD)
+        qs = rng.integers(0, 256, size=(nb, 32), dtype=np.uint8)
+        qs[qs == 0x80] = 0
+        return np.concatenate([_f16_bytes(d), qs], axis=1)
     if qtype == GT.Q4_K:
         sc = rng.integers(Q4_SCALE_LO, Q4_SCALE_HI + 1, size=(nb, 8), dtype=np.uint8)
-        # dmin = 8 d and m = 15/16 sc centre the codes: d*sc*q - dmin*m ~= d*sc*(q - 7.5)
-        mn = np.rint(sc * np.float32(15 / 16)).astype(np.uint8)
-        d = np.full(nb, std / (Q4_UNIFORM_STD * Q4_SCALE_RMS), dtype=np.float32)
+        d = np.full(nb, std / (Q4_CODE_STD * Q4_SCALE_RMS), dtype=np.float32)
         qs = rng.integers(0, 256, size=(nb, 128), dtype=np.uint8)
-        return np.concatenate([_f16_bytes(d), _f16_bytes(d * 8), pack_q4_k_scales(sc, mn), qs], axis=1)
+        lo, hi = qs & 0x0F, qs >> 4
+        lo[lo == 0] = 8
+        hi[hi == 0] = 8
+        # dmin = 8 d and m = sc: d*sc*q - dmin*m = d*sc*(q - 8)
+        return np.concatenate([_f16_bytes(d), _f16_bytes(d * 8), pack_q4_k_scales(sc, sc), lo | (hi << 4)], axis=1)
     if qtype == GT.IQ3_XXS:
         d = np.full(nb, std / IQ3_UNIT_RMS, dtype=np.float32)
         body = rng.integers(0, 256, size=(nb, 96), dtype=np.uint8)
         return np.concatenate([_f16_bytes(d), body], axis=1)
     raise ValueError(f"no random writer for {qtype.name}")
+
+
+def zero_first_element(qtype: int, rows: np.ndarray) -> None:
+    """Make element 0 of every row (rows: one row of bytes each) dequantize to zero."""
+    if qtype == GT.F32:
+        rows[:, 0:4] = 0
+    elif qtype == GT.F16:
+        rows[:, 0:2] = 0
+    elif qtype == GT.Q8_0:
+        rows[:, 2] = 0
+    elif qtype == GT.Q4_K:
+        rows[:, 16] = (rows[:, 16] & 0xF0) | 8
+    elif qtype == GT.IQ3_XXS:
+        rows[:, 2] = 0  # grid entry 0 is (4, 4, 4, 4), the smallest magnitude available
+    else:
+        raise ValueError(qtype)
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
@@ -606,16 +651,17 @@ def tensor_chunks(t: TensorSpec, seed: int) -> Iterator[np.ndarray]:
         r = min(step, n_rows - r0)
         if t.role in ("embd", "router"):
             x = rng.standard_normal((r, row_len), dtype=np.float32) * np.float32(t.std)
-            if t.offset:
-                x += np.float32(t.offset)
-            if t.role == "router":
-                # a centred random part keeps the mean of the router input from biasing experts
-                x -= x.mean(axis=1, keepdims=True)
-                if t.row_bias is not None:
-                    x += t.row_bias[r0:r0 + r, None]
-            yield encode_floats(t.qtype, x)
+            if t.col0 is not None:
+                x[:, 0] = t.col0 if np.isscalar(t.col0) else t.col0[r0:r0 + r]
+            data = encode_floats(t.qtype, x)
         else:
-            yield random_blocks(t.qtype, rng, r, row_len, t.std)
+            data = random_blocks(t.qtype, rng, r, row_len, t.std)
+        data = data.reshape(r, -1)
+        if t.zero_col0:
+            zero_first_element(t.qtype, data)
+        if t.zero_row0:
+            data[(np.arange(r0, r0 + r) % t.ne[1]) == 0] = 0
+        yield data
 
 
 # ---------------------------------------------------------------------------
@@ -777,9 +823,7 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
         tok_kv["tokenizer.chat_template"] = pack_kv("tokenizer.chat_template", VT.STRING, template)
     n_vocab = counts["tokenizer.ggml.tokens"]
 
-    m = Model(arch=hp["arch"])
-    m.n_layer = hp["n_layer"] + hp.get("n_nextn", 0)
-    hp["embd_std"] = hp.get("embd_std") or 1.0 / math.sqrt(hp["n_embd"])
+    m = Model(arch=hp["arch"], n_layer=hp["n_layer"] + hp.get("n_nextn", 0), bias_channel=hp["bias_channel"])
     BUILDERS[hp["arch"]](m, hp, n_vocab)
     assign_types(m, QUANT_NAMES[args.quant], QUANT_NAMES[args.quant_rest])
 
@@ -799,7 +843,7 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
     return m, blobs, hp
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arch", choices=sorted(PRESETS))
@@ -818,7 +862,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the tensor plan and size, write nothing")
     ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))
     args = ap.parse_args(argv)
+    if args.out is None and not args.dry_run:
+        ap.error("--out is required unless --dry-run")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     m, blobs, hp = plan(args)
     total = sum(-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in m.tensors) + sum(map(len, blobs))
     if args.dry_run:
@@ -826,8 +876,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{t.name:40s} {t.qtype.name:8s} {str(t.ne):24s} {t.nbytes}")
         print(f"total ~{total / 2**20:.1f} MiB in {len(m.tensors)} tensors")
         return 0
-    if args.out is None:
-        ap.error("--out is required unless --dry-run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_gguf(args.out, blobs, m.tensors, args.seed)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, {len(m.tensors)} tensors)")

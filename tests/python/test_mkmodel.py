@@ -1,0 +1,233 @@
+"""Tests for tools/mkmodel.py, the synthetic GGUF model writer.
+
+gguf-py's GGUFReader needs many seconds for the 150k-260k token vocabularies,
+so the structural checks read copies of each preset written with the small
+llama-spm vocabulary; the real vocabularies are checked with mkmodel's own fast
+KV scanner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("mkmodel", REPO / "tools" / "mkmodel.py")
+
+try:
+    mkmodel = importlib.util.module_from_spec(spec)
+    sys.modules["mkmodel"] = mkmodel
+    spec.loader.exec_module(mkmodel)
+except (ImportError, FileNotFoundError) as e:  # no llama.cpp source tree with gguf-py
+    pytest.skip(f"mkmodel unavailable: {e}", allow_module_level=True)
+
+gguf = mkmodel.gguf
+GT = mkmodel.GT
+PRESETS = sorted(mkmodel.PRESETS)
+SMALL_VOCAB = "llama-spm"
+
+
+def generate(path: Path, preset: str, *args: str) -> Path:
+    assert mkmodel.main([preset, "--out", str(path), *args]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Each preset written with the small vocabulary, seed 0, and read back with GGUFReader."""
+    d = tmp_path_factory.mktemp("small")
+    return {p: gguf.GGUFReader(generate(d / f"{p}.gguf", p, "--vocab", SMALL_VOCAB)) for p in PRESETS}
+
+
+def kv(reader, key):
+    return reader.fields[key].contents()
+
+
+def tensors(reader):
+    return {t.name: t for t in reader.tensors}
+
+
+def dequant(t) -> np.ndarray:
+    x = gguf.quants.dequantize(t.data, t.tensor_type)
+    return x.reshape(tuple(int(n) for n in reversed(t.shape)))
+
+
+EXPECTED = {
+    "qwen3moe": dict(arch="qwen3moe", kv={"qwen3moe.expert_count": 16, "qwen3moe.expert_used_count": 4,
+                                          "qwen3moe.expert_feed_forward_length": 64, "qwen3moe.block_count": 4},
+                     tensors=["blk.3.ffn_gate_exps.weight", "blk.0.attn_q_norm.weight", "output.weight"]),
+    "llama": dict(arch="llama", kv={"llama.block_count": 4, "llama.feed_forward_length": 128},
+                  tensors=["blk.3.ffn_down.weight", "output.weight"]),
+    "gemma4": dict(arch="gemma4", kv={"gemma4.embedding_length_per_layer_input": 8,
+                                      "gemma4.attention.shared_kv_layers": 2,
+                                      "gemma4.attention.sliding_window_pattern": [True, False, True, False]},
+                   tensors=["per_layer_token_embd.weight", "per_layer_model_proj.weight", "rope_freqs.weight",
+                            "blk.3.inp_gate.weight", "blk.3.proj.weight", "blk.3.post_norm.weight"]),
+    "qwen35moe-mtp": dict(arch="qwen35moe", kv={"qwen35moe.block_count": 5, "qwen35moe.nextn_predict_layers": 1,
+                                                "qwen35moe.full_attention_interval": 4,
+                                                "qwen35moe.rope.dimension_sections": [3, 3, 2, 0]},
+                          tensors=["blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.3.attn_q.weight",
+                                   "blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight",
+                                   "blk.4.nextn.hnorm.weight", "blk.4.ffn_gate_exps.weight"]),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_structure(small, preset):
+    r = small[preset]
+    exp = EXPECTED[preset]
+    assert kv(r, "general.architecture") == exp["arch"]
+    for key, value in exp["kv"].items():
+        assert kv(r, key) == value, key
+    ts = tensors(r)
+    for name in exp["tensors"]:
+        assert name in ts, name
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    assert int(ts["token_embd.weight"].shape[1]) == n_vocab
+    for t in r.tensors:
+        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "ssm_conv1d" in t.name:
+            assert t.tensor_type == GT.F32, t.name
+        elif "_exps." in t.name:
+            assert t.tensor_type == GT.Q8_0, t.name
+        else:
+            assert t.tensor_type in (GT.Q8_0, GT.F16), t.name
+        # every tensor offset is aligned and the data is in the file
+        assert t.data_offset % 32 == 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_weights_finite_and_scaled(small, preset):
+    model, _, _ = mkmodel.plan(mkmodel.parse_args([preset, "--vocab", SMALL_VOCAB, "--dry-run"]))
+    target = {t.name: t.std for t in model.tensors}
+    for t in small[preset].tensors:
+        x = dequant(t)
+        assert np.isfinite(x).all(), t.name
+        if t.name.endswith("norm.weight"):
+            assert np.all(x == 1.0), t.name
+        elif t.tensor_type != GT.F32 and t.name != "token_embd.weight":
+            nz = x[x != 0]
+            assert abs(nz.std() / target[t.name] - 1) < 0.15, t.name
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_real_vocab_copied(tmp_path, preset):
+    path = generate(tmp_path / "m.gguf", preset)
+    hp = mkmodel.PRESETS[preset]
+    src_kv, src_counts = mkmodel.scan_kvs(mkmodel.llama_src() / "models" / f"ggml-vocab-{hp['vocab']}.gguf")
+    out_kv, out_counts = mkmodel.scan_kvs(path)
+    tok_keys = [k for k in src_kv if k.startswith("tokenizer.")]
+    assert "tokenizer.ggml.tokens" in tok_keys and "tokenizer.ggml.model" in tok_keys
+    for key in tok_keys:
+        if key == "tokenizer.chat_template" and hp["template"]:
+            continue
+        assert out_kv[key] == src_kv[key], key
+    assert out_counts["tokenizer.ggml.tokens"] == src_counts["tokenizer.ggml.tokens"]
+    if hp["template"]:
+        template = (mkmodel.llama_src() / "models" / "templates" / hp["template"]).read_text(encoding="utf-8")
+        assert out_kv["tokenizer.chat_template"].endswith(template.encode())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_deterministic(tmp_path, preset):
+    a = generate(tmp_path / "a.gguf", preset, "--vocab", SMALL_VOCAB, "--seed", "7").read_bytes()
+    b = generate(tmp_path / "b.gguf", preset, "--vocab", SMALL_VOCAB, "--seed", "7").read_bytes()
+    c = generate(tmp_path / "c.gguf", preset, "--vocab", SMALL_VOCAB, "--seed", "8").read_bytes()
+    assert a == b
+    assert len(a) == len(c) and a != c
+
+
+def router_tensors(reader):
+    return {t.name: dequant(t) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+
+
+def test_router_skew(tmp_path):
+    skew = 1.5
+    flat = router_tensors(gguf.GGUFReader(generate(tmp_path / "s0.gguf", "qwen3moe", "--vocab", SMALL_VOCAB)))
+    skewed = router_tensors(gguf.GGUFReader(
+        generate(tmp_path / "s1.gguf", "qwen3moe", "--vocab", SMALL_VOCAB, "--router-skew", str(skew))))
+    n_embd = mkmodel.PRESETS["qwen3moe"]["n_embd"]
+    x0 = mkmodel.bias_channel_x0(n_embd)
+    assert 1.8 < x0 < 2.0
+    for il in range(4):
+        name = f"blk.{il}.ffn_gate_inp.weight"
+        w0, w1 = flat[name], skewed[name]          # (n_expert, n_embd)
+        assert np.all(w0[:, 0] == 0)
+        np.testing.assert_array_equal(w0[:, 1:], w1[:, 1:])
+        b = w1[:, 0] * x0                          # the documented logit bias b_e
+        ranks = mkmodel.router_ranks(0, il, w1.shape[0])
+        np.testing.assert_allclose(b, -skew * np.log1p(ranks), rtol=1e-5, atol=1e-6)
+        # the bias dominates the random part of the logit for the least popular experts
+        assert b.max() == 0 and b.min() < -3
+
+
+def test_mtp_layer_has_no_skew(tmp_path):
+    r = gguf.GGUFReader(generate(tmp_path / "m.gguf", "qwen35moe-mtp", "--vocab", SMALL_VOCAB, "--router-skew", "1"))
+    routers = router_tensors(r)
+    assert np.all(routers["blk.4.ffn_gate_inp.weight"][:, 0] == 0)
+    assert routers["blk.0.ffn_gate_inp.weight"][:, 0].min() < 0
+
+
+def test_bias_channel(small):
+    ts = tensors(small["qwen3moe"])
+    embd = dequant(ts["token_embd.weight"])
+    np.testing.assert_allclose(embd[:, 0], 2.0, rtol=0.01)  # q8_0 rounding
+    for name, t in ts.items():
+        x = dequant(t)
+        if name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+            assert np.all(x[..., 0, :] == 0), name   # output row 0 of every (expert) matrix
+        if name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight", "gate_exps.weight", "up_exps.weight")):
+            assert np.all(x[..., 0] == 0), name      # input column 0
+
+
+@pytest.mark.parametrize("qname", ["q8_0", "q4_k", "iq3_xxs", "f16", "f32"])
+def test_random_blocks(qname):
+    qtype = mkmodel.QUANT_NAMES[qname]
+    rng = np.random.default_rng(0)
+    std = 0.02
+    data = mkmodel.random_blocks(qtype, rng, 256, 512, std).reshape(256, -1)
+    assert data.nbytes == 256 * 512 // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
+    x = gguf.quants.dequantize(data, qtype)
+    assert np.isfinite(x).all()
+    assert abs(x.std() / std - 1) < 0.05
+    assert abs(x.mean()) < 0.2 * std
+    mkmodel.zero_first_element(qtype, data)
+    first = gguf.quants.dequantize(data, qtype)[:, 0]
+    if qtype == GT.IQ3_XXS:  # no zero code: the smallest grid entry instead
+        assert np.abs(first).mean() < 0.2 * np.abs(x).mean()
+    else:
+        assert np.all(first == 0)
+
+
+@pytest.mark.parametrize("qname", ["q8_0", "q4_k"])
+def test_float_quantizers_round_trip(qname):
+    qtype = mkmodel.QUANT_NAMES[qname]
+    x = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
+    x[:, 0] = 2.0
+    y = gguf.quants.dequantize(mkmodel.encode_floats(qtype, x).reshape(64, -1), qtype)
+    tol = {"q8_0": 0.01, "q4_k": 0.12}[qname]
+    assert np.sqrt(np.mean((y - x) ** 2)) < tol
+    if qtype == GT.Q8_0:
+        np.testing.assert_allclose(y, gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype), atol=1e-6)
+
+
+def test_kquant_experts(tmp_path):
+    path = generate(tmp_path / "k.gguf", "qwen3moe", "--vocab", SMALL_VOCAB, "--layers", "2", "--embd", "256",
+                    "--expert-ffn", "256", "--quant", "iq3_xxs", "--quant-rest", "q4_k")
+    ts = tensors(gguf.GGUFReader(path))
+    assert ts["blk.1.ffn_down_exps.weight"].tensor_type == GT.IQ3_XXS
+    assert ts["blk.1.attn_q.weight"].tensor_type == GT.Q4_K
+    assert ts["token_embd.weight"].tensor_type == GT.Q4_K
+    with pytest.raises(SystemExit):
+        generate(tmp_path / "bad.gguf", "qwen3moe", "--vocab", SMALL_VOCAB, "--quant", "iq3_xxs")
+
+
+def test_big_shape_plan(capsys):
+    assert mkmodel.main(["qwen3moe", "--shape", "80b-a3b", "--quant", "iq3_xxs", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "blk.47.ffn_down_exps.weight" in out and "(512, 2048, 512)" in out
+    size_mib = float(out.strip().splitlines()[-1].split("~")[1].split()[0])
+    assert 25_000 < size_mib < 35_000
