@@ -61,6 +61,7 @@ fn greedy_32_tokens_are_stable_and_equal_the_c_api() {
 /// model's own template and for a Jinja template from the pin.
 #[test]
 fn chat_template_equals_upstream_apply_template() {
+    crate::support::quiet_llama_logs();
     let request: Value = serde_json::from_str(&golden("llama-server/gemma-apply-template.request.json")).unwrap();
     let inputs = json!({"messages": request["messages"], "add_generation_prompt": true, "use_jinja": true});
     let model = Model::load(&model(GEMMA), &ModelParams::default()).unwrap();
@@ -77,6 +78,7 @@ fn chat_template_equals_upstream_apply_template() {
 /// that repeats, the draft is the continuation of the repetition.
 #[test]
 fn ngram_speculative_drafts_the_repetition() {
+    crate::support::quiet_llama_logs();
     use strata_ffi::{Context, ContextParams, ParseOutcome, ServerParams, Speculative};
     let gemma = model(GEMMA);
     let args: Vec<String> = ["strata-server", "-m", gemma.to_str().unwrap(), "--spec-type", "ngram-simple"]

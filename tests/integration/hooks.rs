@@ -47,6 +47,7 @@ fn last_logits(model: &Model, prompt: &str) -> Vec<f32> {
 /// that declines (returns None) leaves the computation bit for bit as upstream's.
 #[test]
 fn moe_hook_sees_every_layer_and_declining_changes_nothing() {
+    crate::support::quiet_llama_logs();
     let path = model("tiny-qwen3moe.gguf");
     let prompt = "Mixture of experts routing test";
     let before = {

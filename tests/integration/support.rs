@@ -10,6 +10,15 @@ use serde_json::Value;
 pub const SERVER: &str = env!("CARGO_BIN_EXE_strata-server");
 const STARTUP: Duration = Duration::from_secs(120);
 
+/// Keeps llama.cpp's load chatter out of the test output; errors still show.
+pub fn quiet_llama_logs() {
+    strata_ffi::set_log_callback(|level, msg| {
+        if level == strata_ffi::LogLevel::Error {
+            eprint!("{msg}");
+        }
+    });
+}
+
 pub fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }

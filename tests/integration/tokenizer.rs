@@ -22,6 +22,7 @@ fn cases(inp: &Path, out: &Path) -> Vec<(String, Vec<i32>)> {
 
 #[test]
 fn every_pin_vocab_tokenizes_exactly_like_its_reference_vectors() {
+    crate::support::quiet_llama_logs();
     let dir = Path::new(strata_ffi::LLAMA_SRC_DIR).join("models");
     let mut vocabs: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
