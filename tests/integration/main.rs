@@ -1,6 +1,7 @@
 //! Integration tests against the real pinned llama.cpp, real GGUF files and real HTTP on
 //! loopback. Models come from tools/setup (.cache/models); nothing here needs a network or GPU.
 
+mod chat;
 mod cli;
 mod fetch;
 mod gemma;
