@@ -311,6 +311,14 @@ def add_moe_kv(m: Model, hp: dict) -> None:
     m.u32("{arch}.expert_feed_forward_length", hp["n_ff_exp"])
 
 
+def add_attention(m: Model, p: str, n_embd: int, hd: int, nh: int, nkv: int) -> None:
+    m.norm(p + "attn_norm.weight", n_embd)
+    m.weight(p + "attn_q.weight", (n_embd, hd * nh), reads=True)
+    m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
+    m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
+    m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
+
+
 def build_qwen3moe(m: Model, hp: dict, n_vocab: int) -> None:
     n_embd, hd, nh, nkv = hp["n_embd"], hp["head_dim"], hp["n_head"], hp["n_head_kv"]
     m.u32("{arch}.block_count", hp["n_layer"])
@@ -324,11 +332,7 @@ def build_qwen3moe(m: Model, hp: dict, n_vocab: int) -> None:
     add_common(m, hp, n_vocab, hp["embd_std"])
     for il in range(hp["n_layer"]):
         p = f"blk.{il}."
-        m.norm(p + "attn_norm.weight", n_embd)
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh), reads=True)
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
+        add_attention(m, p, n_embd, hd, nh, nkv)
         m.norm(p + "attn_q_norm.weight", hd)
         m.norm(p + "attn_k_norm.weight", hd)
         m.norm(p + "ffn_norm.weight", n_embd)
@@ -350,11 +354,7 @@ def build_llama(m: Model, hp: dict, n_vocab: int) -> None:
     add_common(m, hp, n_vocab, hp["embd_std"])
     for il in range(hp["n_layer"]):
         p = f"blk.{il}."
-        m.norm(p + "attn_norm.weight", n_embd)
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh), reads=True)
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
+        add_attention(m, p, n_embd, hd, nh, nkv)
         m.norm(p + "ffn_norm.weight", n_embd)
         m.weight(p + "ffn_gate.weight", (n_embd, n_ff), reads=True)
         m.weight(p + "ffn_up.weight", (n_embd, n_ff), reads=True)
