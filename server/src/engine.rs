@@ -3,6 +3,7 @@
 //! `/health`.
 
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use serde_json::Value;
@@ -60,11 +61,17 @@ pub enum Job {
 pub struct EngineHandle {
     tx: mpsc::Sender<Job>,
     state: watch::Receiver<State>,
+    /// The loaded model, for the read-only work handlers do themselves (tokenizing).
+    model: Arc<OnceLock<Arc<Model>>>,
 }
 
 impl EngineHandle {
     pub fn state(&self) -> State {
         self.state.borrow().clone()
+    }
+
+    pub fn model(&self) -> Option<Arc<Model>> {
+        self.model.get().cloned()
     }
 
     pub async fn complete(&self, req: CompletionRequest) -> Result<CompletionResult, ApiError> {
@@ -79,7 +86,7 @@ impl EngineHandle {
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
-        Self { tx, state }
+        Self { tx, state, model: Arc::default() }
     }
 }
 
@@ -94,18 +101,20 @@ pub struct EngineConfig {
 pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let (state_tx, state_rx) = watch::channel(State::Loading);
+    let model = Arc::new(OnceLock::new());
+    let shared = model.clone();
     std::thread::Builder::new()
         .name("strata-engine".into())
-        .spawn(move || run(cfg, rx, state_tx))
+        .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx }
+    EngineHandle { tx, state: state_rx, model }
 }
 
-fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>) {
+fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &OnceLock<Arc<Model>>) {
     strata_ffi::init_backend(Some(&cfg.params));
     let mparams = cfg.params.model_params();
     let model = match Model::load(&cfg.model_path, &mparams) {
-        Ok(m) => m,
+        Ok(m) => Arc::new(m),
         Err(e) => {
             let _ = state.send(State::Failed(e.to_string()));
             return;
@@ -119,6 +128,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             return;
         }
     };
+    let _ = shared.set(model.clone());
     let _ = state.send(State::Ready);
     while let Some(job) = rx.blocking_recv() {
         match job {

@@ -8,6 +8,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
+use std::sync::Arc;
+
+use strata_ffi::{Model, Token, Vocab};
+
 use crate::engine::{CompletionRequest, EngineHandle, Prompt, State, StopType};
 use crate::error::{ApiError, ErrorType};
 
@@ -34,6 +38,8 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/v1/health", get(health))
         .route("/completion", post(completion))
         .route("/completions", post(completion))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(not_found)
         .layer(axum::middleware::map_response(server_header))
         .with_state(engine)
@@ -128,6 +134,82 @@ async fn completion(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Resu
             "predicted_per_second": per_second(r.tokens.len(), r.predicted_ms),
         },
     })))
+}
+
+fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
+    engine.model().ok_or_else(|| ApiError::new(ErrorType::Unavailable, "Loading model"))
+}
+
+fn flag(body: &Map<String, Value>, key: &str, default: bool) -> bool {
+    body.get(key).and_then(Value::as_bool).unwrap_or(default)
+}
+
+/// A prompt given as a string, or an array mixing strings and token ids; only a leading string
+/// gets the special (BOS) tokens, as in llama-server's tokenize_mixed.
+fn tokenize_mixed(vocab: Vocab<'_>, prompt: &Value, add_special: bool, parse_special: bool) -> Result<Vec<Token>, ApiError> {
+    let text = |s: &str, special: bool| vocab.tokenize(s, special, parse_special).map_err(|e| ApiError::invalid(e.to_string()));
+    match prompt {
+        Value::String(s) => text(s, add_special),
+        Value::Array(items) => {
+            let mut out = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) => out.extend(text(s, add_special && i == 0)?),
+                    v => out.push(token_id(v)?),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(ApiError::invalid("\"content\" must be a string or an array")),
+    }
+}
+
+fn token_id(v: &Value) -> Result<Token, ApiError> {
+    v.as_i64()
+        .and_then(|t| Token::try_from(t).ok())
+        .ok_or_else(|| ApiError::invalid(format!("invalid token id: {v}")))
+}
+
+async fn tokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body = parse_body(&body)?;
+    let model = loaded_model(&engine)?;
+    let vocab = model.vocab();
+    let Some(content) = body.get("content") else {
+        return Ok(Json(json!({"tokens": []})));
+    };
+    let tokens = tokenize_mixed(vocab, content, flag(&body, "add_special", false), flag(&body, "parse_special", true))?;
+    if !flag(&body, "with_pieces", false) {
+        return Ok(Json(json!({"tokens": tokens})));
+    }
+    let pieces: Vec<Value> = tokens
+        .iter()
+        .map(|&t| {
+            let bytes = vocab.token_to_piece(t, true);
+            let piece = match String::from_utf8(bytes) {
+                Ok(s) => Value::from(s),
+                Err(e) => Value::from(e.into_bytes()),
+            };
+            json!({"id": t, "piece": piece})
+        })
+        .collect();
+    Ok(Json(json!({"tokens": pieces})))
+}
+
+async fn detokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body = parse_body(&body)?;
+    let model = loaded_model(&engine)?;
+    let tokens: Vec<Token> = match body.get("tokens") {
+        None => Vec::new(),
+        Some(Value::Array(items)) => items.iter().map(token_id).collect::<Result<_, _>>()?,
+        Some(_) => return Err(ApiError::invalid("\"tokens\" must be an array of token ids")),
+    };
+    let vocab = model.vocab();
+    let n_vocab = vocab.n_tokens();
+    if let Some(bad) = tokens.iter().find(|&&t| t < 0 || t >= n_vocab) {
+        return Err(ApiError::invalid(format!("token id {bad} is out of range (vocabulary size {n_vocab})")));
+    }
+    let bytes: Vec<u8> = tokens.iter().flat_map(|&t| vocab.token_to_piece(t, true)).collect();
+    Ok(Json(json!({"content": String::from_utf8_lossy(&bytes)})))
 }
 
 #[cfg(test)]

@@ -6,5 +6,6 @@ mod cli;
 mod fetch;
 mod gemma;
 mod hooks;
+mod http;
 mod support;
 mod tokenizer;

@@ -1,0 +1,58 @@
+"""Merges two JUnit XML reports of the pin's server tests into bench/results/compat/latest.md."""
+
+import argparse
+import datetime
+import platform
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+ORDER = ["passed", "failed", "error", "skipped"]
+
+
+def results(path):
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f'{case.get("classname", "")}::{case.get("name", "")}'
+        status, reason = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                status = {"failure": "failed"}.get(child.tag, child.tag)
+                reason = (child.get("message") or "").splitlines()[0][:120] if child.get("message") else ""
+                break
+        out[test_id] = (status, reason)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("upstream")
+    ap.add_argument("strata")
+    ap.add_argument("--command", default="tools/compat/run")
+    a = ap.parse_args()
+    up, st = results(a.upstream), results(a.strata)
+    ids = sorted(set(up) | set(st))
+    missing = ("not run", "")
+    cu = Counter(up.get(i, missing)[0] for i in ids)
+    cs = Counter(st.get(i, missing)[0] for i in ids)
+    regressions = [i for i in ids if up.get(i, missing)[0] == "passed" and st.get(i, missing)[0] != "passed"]
+
+    print("# Compatibility: the pin's `tools/server/tests` against both servers\n")
+    print(f"- command: `{a.command}`")
+    print(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; host: {platform.machine()} {platform.node()}")
+    print("- models: the presets are mapped to local files by `tools/compat/strata_compat.py`;")
+    print("  a test that would download anything is skipped with `needs network`.\n")
+    print("| result | upstream llama-server | strata-server |\n|---|---|---|")
+    for k in ORDER + ["not run"]:
+        if cu[k] or cs[k]:
+            print(f"| {k} | {cu[k]} | {cs[k]} |")
+    print(f"| total | {len(ids)} | {len(ids)} |\n")
+    print(f"Upstream passes that strata-server does not: **{len(regressions)}**\n")
+    print("| test | upstream | strata | strata's reason |\n|---|---|---|---|")
+    for i in ids:
+        u, s = up.get(i, missing), st.get(i, missing)
+        reason = s[1].replace("|", "\\|") if s[0] != "passed" else ""
+        print(f"| `{i}` | {u[0]} | {s[0]} | {reason} |")
+
+
+if __name__ == "__main__":
+    main()
