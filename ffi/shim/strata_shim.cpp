@@ -167,6 +167,7 @@ char * strata_params_json(const strata_params * p) {
         {"n_ubatch", c.n_ubatch},
         {"n_keep", c.n_keep},
         {"n_parallel", c.n_parallel},
+        {"kv_unified", c.kv_unified},
         {"n_predict", c.n_predict},
         {"n_cache_reuse", c.n_cache_reuse},
         {"cache_ram_mib", c.cache_ram_mib},

@@ -101,6 +101,13 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ptr.as_ptr()), true) }
     }
 
+    /// Removes positions [p0, p1) of sequence `seq` from the KV cache (p1 < 0: to the end).
+    /// Returns false when the memory cannot remove a partial range (recurrent models).
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> bool {
+        // SAFETY: valid context; the memory handle lives as long as it.
+        unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.ptr.as_ptr()), seq, p0, p1) }
+    }
+
     /// Greedy argmax over the logits of output i.
     pub fn argmax(&mut self, i: i32) -> Option<Token> {
         let logits = self.logits_ith(i)?;

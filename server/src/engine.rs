@@ -1,19 +1,27 @@
-//! The engine thread: the only owner of the model and the llama context. HTTP handlers send it
-//! requests over a bounded channel, each with its own reply channel; a readiness watch gates
-//! `/health`.
+//! The engine thread: the only owner of the llama context. HTTP handlers send it tasks over a
+//! bounded channel, each with its own event channel; a readiness watch gates `/health`.
+//!
+//! Continuous batching as in llama-server: `n_parallel` slots share one context, one sequence
+//! each. Every step builds a single batch from the sampled token of each generating slot and
+//! prompt chunks of the others, decodes it once, samples per slot, and sends events. A task
+//! whose event channel is closed (client gone) is cancelled at the next step.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use strata_ffi::{Batch, Context, Model, Sampler, ServerParams, Token};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, watch};
 
 use crate::error::{ApiError, ErrorType};
+use crate::generation::{Generation, StopType};
 
 /// Requests waiting for the engine; beyond this, handlers answer 503 at once.
 pub const QUEUE_DEPTH: usize = 64;
+/// llama-server's --slot-prompt-similarity default: reuse a slot whose cache shares this much.
+const SLOT_PROMPT_SIMILARITY: f32 = 0.1;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
@@ -23,49 +31,80 @@ pub enum State {
 }
 
 #[derive(Debug, Clone)]
-pub enum Prompt {
-    Text(String),
-    Tokens(Vec<Token>),
-}
-
-#[derive(Debug, Clone)]
-pub struct CompletionRequest {
-    pub prompt: Prompt,
+pub struct TaskParams {
+    /// -1: the server's --n-predict.
     pub n_predict: i32,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub cache_prompt: bool,
+    /// -1: any slot.
+    pub id_slot: i32,
+    pub return_tokens: bool,
+    pub ignore_eos: bool,
+    pub t_max_predict_ms: i64,
     /// common_params_sampling overrides (see strata_ffi::Sampler::new).
     pub sampling: Value,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub enum StopType {
-    Eos,
-    Limit,
+pub struct Task {
+    pub prompt: Vec<Token>,
+    pub params: TaskParams,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Timings {
+    pub cache_n: usize,
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
 }
 
 #[derive(Debug, Clone)]
-pub struct CompletionResult {
+pub struct Partial {
     pub content: String,
     pub tokens: Vec<Token>,
+    pub id_slot: usize,
+    pub n_decoded: usize,
     pub n_prompt: usize,
-    pub stop: StopType,
-    pub prompt_ms: f64,
-    pub predicted_ms: f64,
-    pub model_alias: String,
 }
 
-pub enum Job {
-    Completion(CompletionRequest, oneshot::Sender<Result<CompletionResult, ApiError>>),
+#[derive(Debug, Clone)]
+pub struct Final {
+    pub content: String,
+    pub tokens: Vec<Token>,
+    pub id_slot: usize,
+    pub n_decoded: usize,
+    pub n_prompt: usize,
+    pub stop: StopType,
+    pub stopping_word: String,
+    pub truncated: bool,
+    pub has_new_line: bool,
+    pub timings: Timings,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    Partial(Partial),
+    Final(Box<Final>),
+    Error(ApiError),
 }
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Job>,
+    tx: mpsc::Sender<Task>,
     state: watch::Receiver<State>,
     /// The loaded model, for the read-only work handlers do themselves (tokenizing).
     model: Arc<OnceLock<Arc<Model>>>,
+    model_alias: Arc<str>,
 }
 
 impl EngineHandle {
+    pub fn model_alias(&self) -> &str {
+        &self.model_alias
+    }
+
     pub fn state(&self) -> State {
         self.state.borrow().clone()
     }
@@ -74,19 +113,20 @@ impl EngineHandle {
         self.model.get().cloned()
     }
 
-    pub async fn complete(&self, req: CompletionRequest) -> Result<CompletionResult, ApiError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx.try_send(Job::Completion(req, reply)).map_err(|e| match e {
+    /// Queues a task; its events arrive on the returned channel.
+    pub fn submit(&self, prompt: Vec<Token>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        self.tx.try_send(Task { prompt, params, events }).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
             mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
         })?;
-        rx.await.map_err(|_| ApiError::server("engine dropped the request"))?
+        Ok(rx)
     }
 
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
-    pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
-        Self { tx, state, model: Arc::default() }
+    pub fn from_parts(tx: mpsc::Sender<Task>, state: watch::Receiver<State>) -> Self {
+        Self { tx, state, model: Arc::default(), model_alias: "m".into() }
     }
 }
 
@@ -94,6 +134,8 @@ pub struct EngineConfig {
     pub params: ServerParams,
     pub model_path: PathBuf,
     pub model_alias: String,
+    pub n_parallel: usize,
+    pub kv_unified: bool,
     pub n_predict_default: i32,
 }
 
@@ -103,14 +145,15 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let (state_tx, state_rx) = watch::channel(State::Loading);
     let model = Arc::new(OnceLock::new());
     let shared = model.clone();
+    let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model }
+    EngineHandle { tx, state: state_rx, model, model_alias }
 }
 
-fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &OnceLock<Arc<Model>>) {
+fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender<State>, shared: &OnceLock<Arc<Model>>) {
     strata_ffi::init_backend(Some(&cfg.params));
     let mparams = cfg.params.model_params();
     let model = match Model::load(&cfg.model_path, &mparams) {
@@ -120,95 +163,297 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             return;
         }
     };
-    let cparams = cfg.params.context_params();
-    let mut ctx = match Context::new(&model, cparams) {
+    let ctx = match Context::new(&model, cfg.params.context_params()) {
         Ok(c) => c,
         Err(e) => {
             let _ = state.send(State::Failed(e.to_string()));
             return;
         }
     };
+    let mut engine = Engine::new(ctx, &cfg);
     let _ = shared.set(model.clone());
     let _ = state.send(State::Ready);
-    while let Some(job) = rx.blocking_recv() {
-        match job {
-            Job::Completion(req, reply) => {
-                if reply.is_closed() {
-                    continue;
-                }
-                let out = complete(&mut ctx, &cfg, &req);
-                let _ = reply.send(out);
+
+    loop {
+        if engine.is_idle() {
+            match rx.blocking_recv() {
+                Some(task) => engine.pending.push_back(task),
+                None => return,
             }
+        }
+        while let Ok(task) = rx.try_recv() {
+            engine.pending.push_back(task);
+        }
+        if !engine.step() && !engine.pending.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }
 
-fn complete(ctx: &mut Context<'_>, cfg: &EngineConfig, req: &CompletionRequest) -> Result<CompletionResult, ApiError> {
-    let model = ctx.model();
-    let vocab = model.vocab();
-    let prompt = match &req.prompt {
-        Prompt::Text(t) => vocab.tokenize(t, true, true).map_err(|e| ApiError::invalid(e.to_string()))?,
-        Prompt::Tokens(t) => t.clone(),
-    };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid("the prompt is empty"));
-    }
-    let n_ctx = ctx.n_ctx() as usize;
-    if prompt.len() >= n_ctx {
-        return Err(ApiError::new(
-            ErrorType::ExceedContextSize,
-            format!("request ({} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it", prompt.len()),
-        ));
-    }
-    let mut sampler = Sampler::new(model, Some(&cfg.params), &req.sampling).map_err(|e| ApiError::invalid(e.to_string()))?;
-    ctx.clear_memory();
+struct Active {
+    task: Task,
+    sampler: Sampler,
+    gen: Generation,
+    n_predict_max: i32,
+    n_cached: usize,
+    /// The last sampled token, to be decoded next step.
+    sampled: Option<Token>,
+    i_batch: Option<i32>,
+    tokens: Vec<Token>,
+    n_decoded: usize,
+    truncated: bool,
+    t_prompt: Instant,
+    prompt_ms: f64,
+    t_gen: Option<Instant>,
+}
 
-    let t0 = Instant::now();
-    let n_batch = ctx.n_batch() as usize;
-    let mut batch = Batch::new(n_batch.max(1), 1);
-    for (c, chunk) in prompt.chunks(n_batch).enumerate() {
-        batch.clear();
-        for (i, &t) in chunk.iter().enumerate() {
-            batch.add(t, (c * n_batch + i) as i32, &[0], false).map_err(|e| ApiError::server(e.to_string()))?;
-        }
-        if (c + 1) * n_batch >= prompt.len() {
-            batch.set_last_logits(true);
-        }
-        ctx.decode(&batch).map_err(|e| ApiError::server(e.to_string()))?;
-    }
-    for &t in &prompt {
-        sampler.accept(t, false);
-    }
-    let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
+struct Slot {
+    id: usize,
+    /// Tokens of this slot's sequence now in the KV cache.
+    cache: Vec<Token>,
+    last_used: Instant,
+    active: Option<Active>,
+}
 
-    let t1 = Instant::now();
-    let n_predict = if req.n_predict < 0 { cfg.n_predict_default } else { req.n_predict };
-    let limit = if n_predict < 0 { usize::MAX } else { n_predict as usize };
-    let mut tokens = Vec::new();
-    let mut bytes = Vec::new();
-    let mut stop = StopType::Limit;
-    let mut pos = prompt.len();
-    while tokens.len() < limit && pos < n_ctx {
-        let t = sampler.sample(ctx, -1);
-        sampler.accept(t, true);
-        if vocab.is_eog(t) {
-            stop = StopType::Eos;
-            break;
-        }
-        tokens.push(t);
-        bytes.extend(vocab.token_to_piece(t, false));
-        batch.clear();
-        batch.add(t, pos as i32, &[0], true).map_err(|e| ApiError::server(e.to_string()))?;
-        ctx.decode(&batch).map_err(|e| ApiError::server(e.to_string()))?;
-        pos += 1;
+struct Engine<'m> {
+    ctx: Context<'m>,
+    params: &'m ServerParams,
+    slots: Vec<Slot>,
+    batch: Batch,
+    n_ctx_slot: usize,
+    n_predict_default: i32,
+    pending: VecDeque<Task>,
+}
+
+fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl<'m> Engine<'m> {
+    fn new(ctx: Context<'m>, cfg: &'m EngineConfig) -> Self {
+        let n_parallel = cfg.n_parallel.max(1);
+        let n_ctx = ctx.n_ctx() as usize;
+        let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
+        let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
+        let now = Instant::now();
+        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
+        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new() }
     }
-    Ok(CompletionResult {
-        content: String::from_utf8_lossy(&bytes).into_owned(),
-        tokens,
-        n_prompt: prompt.len(),
-        stop,
-        prompt_ms,
-        predicted_ms: t1.elapsed().as_secs_f64() * 1e3,
-        model_alias: cfg.model_alias.clone(),
-    })
+
+    fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+    }
+
+    /// The idle slot for a task: the one asked for, else the one whose cache shares the most
+    /// of the prompt (above the similarity threshold), else the least recently used.
+    fn pick_slot(&self, task: &Task) -> Option<usize> {
+        if task.params.id_slot >= 0 {
+            let id = task.params.id_slot as usize;
+            return self.slots.get(id).filter(|s| s.active.is_none()).map(|s| s.id);
+        }
+        let idle = self.slots.iter().filter(|s| s.active.is_none());
+        let similar = idle
+            .clone()
+            .map(|s| (s.id, common_prefix(&s.cache, &task.prompt)))
+            .filter(|&(_, n)| n > 0 && n as f32 / task.prompt.len().max(1) as f32 > SLOT_PROMPT_SIMILARITY)
+            .max_by_key(|&(_, n)| n);
+        similar.map(|(id, _)| id).or_else(|| idle.min_by_key(|s| s.last_used).map(|s| s.id))
+    }
+
+    fn start(&mut self, id: usize, task: Task) {
+        let n_prompt = task.prompt.len();
+        if n_prompt == 0 {
+            let _ = task.events.send(Event::Error(ApiError::invalid("the prompt is empty")));
+            return;
+        }
+        if n_prompt >= self.n_ctx_slot {
+            let _ = task.events.send(Event::Error(ApiError::new(
+                ErrorType::ExceedContextSize,
+                format!(
+                    "request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it",
+                    self.n_ctx_slot
+                ),
+            )));
+            return;
+        }
+        let model = self.ctx.model();
+        let sampler = match Sampler::new(model, Some(self.params), &task.params.sampling) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = task.events.send(Event::Error(ApiError::invalid(e.to_string())));
+                return;
+            }
+        };
+        let slot = &mut self.slots[id];
+        let mut keep = if task.params.cache_prompt { common_prefix(&slot.cache, &task.prompt) } else { 0 };
+        // At least one prompt token must be decoded to get logits for the first sample.
+        keep = keep.min(n_prompt - 1);
+        if !self.ctx.seq_rm(id as i32, keep as i32, -1) {
+            self.ctx.seq_rm(id as i32, 0, -1);
+            keep = 0;
+        }
+        slot.cache.truncate(keep);
+        let n_predict_max = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
+        let mut sampler = sampler;
+        for &t in &task.prompt {
+            sampler.accept(t, false);
+        }
+        slot.active = Some(Active {
+            gen: Generation::new(task.params.stop.clone()),
+            task,
+            sampler,
+            n_predict_max,
+            n_cached: keep,
+            sampled: None,
+            i_batch: None,
+            tokens: Vec::new(),
+            n_decoded: 0,
+            truncated: false,
+            t_prompt: Instant::now(),
+            prompt_ms: 0.0,
+            t_gen: None,
+        });
+    }
+
+    fn release(&mut self, id: usize) -> Option<Active> {
+        let slot = &mut self.slots[id];
+        slot.last_used = Instant::now();
+        slot.active.take()
+    }
+
+    /// One batch: admit, build, decode, sample. Returns whether anything was decoded.
+    fn step(&mut self) -> bool {
+        while let Some(task) = self.pending.front() {
+            let Some(id) = self.pick_slot(task) else { break };
+            let task = self.pending.pop_front().unwrap();
+            self.start(id, task);
+        }
+        for id in 0..self.slots.len() {
+            if self.slots[id].active.as_ref().is_some_and(|a| a.task.events.is_closed()) {
+                self.release(id);
+            }
+        }
+
+        self.batch.clear();
+        let capacity = self.ctx.n_batch() as usize;
+        for slot in &mut self.slots {
+            let Some(a) = slot.active.as_mut() else { continue };
+            a.i_batch = None;
+            if let Some(t) = a.sampled.take() {
+                a.i_batch = Some(self.batch.len() as i32);
+                self.batch.add(t, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
+                slot.cache.push(t);
+            }
+        }
+        for slot in &mut self.slots {
+            let Some(a) = slot.active.as_mut() else { continue };
+            let n_prompt = a.task.prompt.len();
+            while a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity {
+                let pos = slot.cache.len();
+                let t = a.task.prompt[pos];
+                let last = pos + 1 == n_prompt;
+                self.batch.add(t, pos as i32, &[slot.id as i32], last).expect("batch has room");
+                slot.cache.push(t);
+                if last {
+                    a.i_batch = Some(self.batch.len() as i32 - 1);
+                }
+            }
+        }
+        if self.batch.is_empty() {
+            return false;
+        }
+        if let Err(e) = self.ctx.decode(&self.batch) {
+            for id in 0..self.slots.len() {
+                if self.slots[id].active.as_ref().is_some_and(|a| a.i_batch.is_some() || a.t_gen.is_none()) {
+                    if let Some(a) = self.release(id) {
+                        let _ = a.task.events.send(Event::Error(ApiError::server(format!("decode failed: {e}"))));
+                    }
+                    self.ctx.seq_rm(id as i32, 0, -1);
+                    self.slots[id].cache.clear();
+                }
+            }
+            return true;
+        }
+        for id in 0..self.slots.len() {
+            let Some(i) = self.slots[id].active.as_ref().and_then(|a| a.i_batch) else { continue };
+            self.sample(id, i);
+        }
+        true
+    }
+
+    fn sample(&mut self, id: usize, i: i32) {
+        let vocab = self.ctx.model().vocab();
+        let n_ctx_slot = self.n_ctx_slot;
+        let slot = &mut self.slots[id];
+        let a = slot.active.as_mut().unwrap();
+        let token = a.sampler.sample(&mut self.ctx, i);
+        a.sampler.accept(token, true);
+        let now = Instant::now();
+        if a.t_gen.is_none() {
+            a.prompt_ms = (now - a.t_prompt).as_secs_f64() * 1e3;
+            a.t_gen = Some(now);
+        }
+        a.n_decoded += 1;
+        let is_eog = vocab.is_eog(token) && !a.task.params.ignore_eos;
+        let piece = vocab.token_to_piece(token, false);
+        let text = a.gen.push(&piece, is_eog);
+        a.tokens.push(token);
+
+        if !a.gen.finished() {
+            if slot.cache.len() + 1 >= n_ctx_slot {
+                a.truncated = true;
+                a.gen.stop = StopType::Limit;
+            } else if a.n_predict_max != -1 && a.n_decoded as i64 >= a.n_predict_max as i64 {
+                a.gen.stop = StopType::Limit;
+            } else if a.gen.has_new_line
+                && a.task.params.t_max_predict_ms > 0
+                && a.t_gen.is_some_and(|t| t.elapsed().as_millis() as i64 > a.task.params.t_max_predict_ms)
+            {
+                a.gen.stop = StopType::Limit;
+            }
+        }
+        if is_eog {
+            a.gen.stop = StopType::Eos;
+        }
+        let n_prompt = a.task.prompt.len();
+        if a.task.params.stream {
+            let partial = Partial {
+                content: String::from_utf8_lossy(&text).into_owned(),
+                tokens: vec![token],
+                id_slot: id,
+                n_decoded: a.n_decoded,
+                n_prompt,
+            };
+            if a.task.events.send(Event::Partial(partial)).is_err() {
+                self.release(id);
+                return;
+            }
+        }
+        if !a.gen.finished() {
+            a.sampled = Some(token);
+            return;
+        }
+        let a = self.release(id).unwrap();
+        let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        let stream = a.task.params.stream;
+        let fin = Final {
+            content: if stream { String::new() } else { a.gen.text() },
+            tokens: if stream || !a.task.params.return_tokens { Vec::new() } else { a.tokens.clone() },
+            id_slot: id,
+            n_decoded: a.n_decoded,
+            n_prompt,
+            stop: a.gen.stop,
+            stopping_word: a.gen.stopping_word.clone(),
+            truncated: a.truncated,
+            has_new_line: a.gen.has_new_line,
+            timings: Timings {
+                cache_n: a.n_cached,
+                prompt_n: n_prompt - a.n_cached,
+                prompt_ms: a.prompt_ms,
+                predicted_n: a.n_decoded,
+                predicted_ms,
+            },
+        };
+        let _ = a.task.events.send(Event::Final(Box::new(fin)));
+    }
 }

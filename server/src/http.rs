@@ -12,7 +12,10 @@ use std::sync::Arc;
 
 use strata_ffi::{Model, Token, Vocab};
 
-use crate::engine::{CompletionRequest, EngineHandle, Prompt, State, StopType};
+use axum::body::Body;
+use tokio::sync::mpsc;
+
+use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings};
 use crate::error::{ApiError, ErrorType};
 
 /// Request fields that map onto common_params_sampling fields under another name.
@@ -70,22 +73,29 @@ fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn parse_prompt(v: Option<&Value>) -> Result<Prompt, ApiError> {
-    match v {
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
-        Some(Value::Array(items)) if items.iter().all(Value::is_i64) => {
-            Ok(Prompt::Tokens(items.iter().map(|t| t.as_i64().unwrap() as i32).collect()))
-        }
-        Some(_) => Err(ApiError::invalid("\"prompt\" must be a string or an array of token ids")),
-        None => Err(ApiError::invalid("\"prompt\" is required")),
+fn int_field(body: &Map<String, Value>, key: &str, default: i64) -> Result<i64, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => v.as_i64().ok_or_else(|| ApiError::invalid(format!("\"{key}\" must be an integer"))),
     }
 }
 
-pub fn completion_request(body: &Map<String, Value>) -> Result<CompletionRequest, ApiError> {
-    let prompt = parse_prompt(body.get("prompt"))?;
-    let n_predict = match body.get("n_predict").or_else(|| body.get("max_tokens")) {
-        None | Some(Value::Null) => -1,
-        Some(v) => v.as_i64().ok_or_else(|| ApiError::invalid("\"n_predict\" must be an integer"))? as i32,
+fn stop_strings(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    match body.get("stop") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(String::from).ok_or_else(|| ApiError::invalid("\"stop\" must be a string or an array of strings")))
+            .collect(),
+        Some(_) => Err(ApiError::invalid("\"stop\" must be a string or an array of strings")),
+    }
+}
+
+pub fn task_params(body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
+    let n_predict = match body.get("n_predict") {
+        Some(v) if !v.is_null() => int_field(body, "n_predict", -1)?,
+        _ => int_field(body, "max_tokens", -1)?,
     };
     let mut sampling = Map::new();
     for &f in SAMPLING_FIELDS {
@@ -98,42 +108,142 @@ pub fn completion_request(body: &Map<String, Value>) -> Result<CompletionRequest
             sampling.insert(to.to_string(), v.clone());
         }
     }
-    Ok(CompletionRequest { prompt, n_predict, sampling: Value::Object(sampling) })
+    Ok(TaskParams {
+        n_predict: n_predict.clamp(-1, i32::MAX as i64) as i32,
+        stop: stop_strings(body)?,
+        stream: flag(body, "stream", false),
+        cache_prompt: flag(body, "cache_prompt", true),
+        id_slot: int_field(body, "id_slot", -1)? as i32,
+        return_tokens: flag(body, "return_tokens", false),
+        ignore_eos: flag(body, "ignore_eos", false),
+        t_max_predict_ms: int_field(body, "t_max_predict_ms", -1)?,
+        sampling: Value::Object(sampling),
+    })
 }
 
-async fn completion(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let req = completion_request(&parse_body(&body)?)?;
-    if engine.state() != State::Ready {
-        return Err(ApiError::new(ErrorType::Unavailable, "Loading model"));
-    }
-    let r = engine.complete(req).await?;
-    let per_second = |n: usize, ms: f64| if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 };
-    let per_token = |n: usize, ms: f64| if n > 0 { ms / n as f64 } else { 0.0 };
-    Ok(Json(json!({
+fn per_second(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 }
+}
+
+fn per_token(n: usize, ms: f64) -> f64 {
+    if n > 0 { ms / n as f64 } else { 0.0 }
+}
+
+fn timings_json(t: &Timings) -> Value {
+    json!({
+        "cache_n": t.cache_n,
+        "prompt_n": t.prompt_n,
+        "prompt_ms": t.prompt_ms,
+        "prompt_per_token_ms": per_token(t.prompt_n, t.prompt_ms),
+        "prompt_per_second": per_second(t.prompt_n, t.prompt_ms),
+        "predicted_n": t.predicted_n,
+        "predicted_ms": t.predicted_ms,
+        "predicted_per_token_ms": per_token(t.predicted_n, t.predicted_ms),
+        "predicted_per_second": per_second(t.predicted_n, t.predicted_ms),
+    })
+}
+
+fn partial_json(p: &Partial) -> Value {
+    json!({
         "index": 0,
-        "content": r.content,
-        "tokens": r.tokens,
-        "id_slot": 0,
+        "content": p.content,
+        "tokens": p.tokens,
+        "stop": false,
+        "id_slot": p.id_slot,
+        "tokens_predicted": p.n_decoded,
+        "tokens_evaluated": p.n_prompt,
+    })
+}
+
+fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
+    json!({
+        "index": 0,
+        "content": f.content,
+        "tokens": f.tokens,
+        "id_slot": f.id_slot,
         "stop": true,
-        "model": r.model_alias,
-        "tokens_predicted": r.tokens.len(),
-        "tokens_evaluated": r.n_prompt,
-        "truncated": false,
-        "stop_type": match r.stop { StopType::Eos => "eos", StopType::Limit => "limit" },
-        "stopping_word": "",
-        "tokens_cached": r.n_prompt + r.tokens.len(),
-        "timings": {
-            "cache_n": 0,
-            "prompt_n": r.n_prompt,
-            "prompt_ms": r.prompt_ms,
-            "prompt_per_token_ms": per_token(r.n_prompt, r.prompt_ms),
-            "prompt_per_second": per_second(r.n_prompt, r.prompt_ms),
-            "predicted_n": r.tokens.len(),
-            "predicted_ms": r.predicted_ms,
-            "predicted_per_token_ms": per_token(r.tokens.len(), r.predicted_ms),
-            "predicted_per_second": per_second(r.tokens.len(), r.predicted_ms),
-        },
-    })))
+        "model": model,
+        "tokens_predicted": f.n_decoded,
+        "tokens_evaluated": f.n_prompt,
+        "prompt": prompt,
+        "has_new_line": f.has_new_line,
+        "truncated": f.truncated,
+        "stop_type": f.stop.as_str(),
+        "stopping_word": f.stopping_word,
+        "tokens_cached": f.n_prompt + f.n_decoded.saturating_sub(1),
+        "timings": timings_json(&f.timings),
+    })
+}
+
+fn sse_event(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+type Render = Arc<dyn Fn(&Event) -> Value + Send + Sync>;
+
+enum Next {
+    Event(Event),
+    Recv,
+    Done,
+}
+
+/// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
+/// error), the rest go out as SSE `data:` lines; an error mid-stream ends it.
+async fn stream_response(mut rx: mpsc::UnboundedReceiver<Event>, render: Render) -> Result<Response, ApiError> {
+    let first = rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))?;
+    if let Event::Error(e) = first {
+        return Err(e);
+    }
+    let body = futures_util::stream::unfold((Next::Event(first), rx), move |(next, mut rx)| {
+        let render = render.clone();
+        async move {
+            let ev = match next {
+                Next::Done => return None,
+                Next::Event(ev) => ev,
+                Next::Recv => rx.recv().await?,
+            };
+            let last = !matches!(ev, Event::Partial(_));
+            let bytes = match &ev {
+                Event::Error(e) => sse_event(&json!({"error": e.body()["error"]})),
+                other => sse_event(&render(other)),
+            };
+            Some((Ok::<_, std::convert::Infallible>(bytes), (if last { Next::Done } else { Next::Recv }, rx)))
+        }
+    });
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(body))
+        .unwrap())
+}
+
+async fn completion(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Response, ApiError> {
+    let body = parse_body(&body)?;
+    let model = loaded_model(&engine)?;
+    let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
+    let prompt = tokenize_mixed(model.vocab(), prompt_value, true, true)?;
+    let params = task_params(&body)?;
+    let stream = params.stream;
+    let mut rx = engine.submit(prompt.clone(), params)?;
+    let alias = engine.model_alias().to_string();
+    if stream {
+        let render: Render = Arc::new(move |ev| match ev {
+            Event::Partial(p) => partial_json(p),
+            Event::Final(f) => final_json(f, &alias, ""),
+            Event::Error(e) => e.body(),
+        });
+        return stream_response(rx, render).await;
+    }
+    loop {
+        match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
+            Event::Partial(_) => {}
+            Event::Error(e) => return Err(e),
+            Event::Final(f) => {
+                let prompt_text = model.vocab().detokenize(&prompt, false, true);
+                return Ok(Json(final_json(&f, &alias, &prompt_text)).into_response());
+            }
+        }
+    }
 }
 
 fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
@@ -215,30 +325,33 @@ async fn detokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::{CompletionResult, Job};
-    use axum::body::Body;
+    use crate::engine::Task;
+    use crate::generation::StopType;
     use axum::http::Request;
     use http_body_util::BodyExt;
-    use tokio::sync::{mpsc, watch};
+    use tokio::sync::watch;
     use tower::ServiceExt;
 
-    /// A scripted engine: answers every completion with "hi" after the given state.
+    /// A scripted engine: answers every task with the text "hi" in two tokens.
     fn engine(state: State) -> EngineHandle {
-        let (tx, mut rx) = mpsc::channel::<Job>(4);
-        let (_state_tx, state_rx) = watch::channel(state);
+        let (tx, mut rx) = mpsc::channel::<Task>(4);
+        let (state_tx, state_rx) = watch::channel(state);
         tokio::spawn(async move {
-            let _keep = _state_tx;
-            while let Some(Job::Completion(req, reply)) = rx.recv().await {
-                let n = match req.prompt { Prompt::Text(t) => t.len(), Prompt::Tokens(t) => t.len() };
-                let _ = reply.send(Ok(CompletionResult {
+            let _keep = state_tx;
+            while let Some(task) = rx.recv().await {
+                let fin = Final {
                     content: "hi".into(),
                     tokens: vec![1, 2],
-                    n_prompt: n,
+                    id_slot: 0,
+                    n_decoded: 2,
+                    n_prompt: task.prompt.len(),
                     stop: StopType::Limit,
-                    prompt_ms: 1.0,
-                    predicted_ms: 2.0,
-                    model_alias: "m".into(),
-                }));
+                    stopping_word: String::new(),
+                    truncated: false,
+                    has_new_line: false,
+                    timings: Timings::default(),
+                };
+                let _ = task.events.send(Event::Final(Box::new(fin)));
             }
         });
         EngineHandle::from_parts(tx, state_rx)
@@ -265,18 +378,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn completion_answers_with_content_and_timings() {
-        let (s, v, _) = call(router(engine(State::Ready)), "POST", "/completion", r#"{"prompt":"abc","n_predict":2}"#).await;
-        assert_eq!(s, StatusCode::OK);
-        assert_eq!(v["content"], "hi");
-        assert_eq!(v["tokens_predicted"], 2);
-        assert_eq!(v["tokens_evaluated"], 3);
-        assert_eq!(v["timings"]["predicted_n"], 2);
+    async fn completion_before_the_model_is_loaded_is_503() {
+        let (s, v, _) = call(router(engine(State::Loading)), "POST", "/completion", r#"{"prompt":"abc"}"#).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(v["error"]["message"], "Loading model");
     }
 
     #[tokio::test]
-    async fn bad_input_gets_llama_cpp_error_shape() {
-        for body in ["{not json", "[1,2]", r#"{"prompt": 5}"#, r#"{"n_predict": 3}"#, r#"{"prompt":"x","n_predict":"many"}"#] {
+    async fn malformed_json_gets_the_llama_cpp_error_shape() {
+        for body in ["{not json", "[1,2]"] {
             let (s, v, _) = call(router(engine(State::Ready)), "POST", "/completion", body).await;
             assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
@@ -292,9 +402,16 @@ mod tests {
     }
 
     #[test]
-    fn sampling_fields_are_renamed_for_common() {
-        let body = json!({"prompt": "x", "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.1});
-        let req = completion_request(body.as_object().unwrap()).unwrap();
-        assert_eq!(req.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.1}));
+    fn request_fields_become_task_params() {
+        let body = json!({"prompt": "x", "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.1, "max_tokens": 7, "stop": "END", "stream": true});
+        let p = task_params(body.as_object().unwrap()).unwrap();
+        assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.1}));
+        assert_eq!(p.n_predict, 7);
+        assert_eq!(p.stop, ["END"]);
+        assert!(p.stream && p.cache_prompt);
+        let bad = json!({"n_predict": "many"});
+        assert_eq!(task_params(bad.as_object().unwrap()).unwrap_err().kind, ErrorType::InvalidRequest);
+        let bad = json!({"stop": 3});
+        assert!(task_params(bad.as_object().unwrap()).is_err());
     }
 }

@@ -3,6 +3,7 @@
 mod engine;
 mod error;
 mod flags;
+mod generation;
 mod http;
 
 use std::ffi::{c_char, c_int};
@@ -63,6 +64,8 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         .map(String::from)
         .unwrap_or_else(|| model_path.to_string_lossy().into_owned());
     let n_predict_default = cfg["n_predict"].as_i64().unwrap_or(-1) as i32;
+    let n_parallel = cfg["n_parallel"].as_u64().unwrap_or(1) as usize;
+    let kv_unified = cfg["kv_unified"].as_bool().unwrap_or(false);
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -70,7 +73,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
             .await
             .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
         let addr = listener.local_addr()?;
-        let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_predict_default });
+        let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_parallel, kv_unified, n_predict_default });
         eprintln!("main: server is listening on http://{addr}");
         axum::serve(listener, http::router(engine))
             .with_graceful_shutdown(async {

@@ -44,7 +44,7 @@ fn greedy_32_tokens_are_stable_and_equal_the_c_api() {
     let want = reference_tokens();
     assert_eq!(want.len(), N_PREDICT, "the reference stopped early: {want:?}");
     let server = Server::start(&["-m", model(GEMMA).to_str().unwrap(), "-c", "512"], &[]);
-    let req = json!({"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0});
+    let req = json!({"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0, "return_tokens": true});
     let mut runs = Vec::new();
     for _ in 0..2 {
         let (status, body) = server.post("/completion", &req);

@@ -119,3 +119,16 @@ impl Drop for Server {
         let _ = self.child.wait();
     }
 }
+
+impl Server {
+    /// POSTs a streaming request and returns the SSE `data:` payloads, read to the end.
+    pub fn post_stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let res = ureq::post(&format!("{}{path}", self.base)).send_json(body.clone()).expect("stream request");
+        assert_eq!(res.header("content-type"), Some("text/event-stream"));
+        BufReader::new(res.into_reader())
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| l.strip_prefix("data: ").map(|d| serde_json::from_str(d).expect("SSE JSON")))
+            .collect()
+    }
+}

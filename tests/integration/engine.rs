@@ -1,0 +1,99 @@
+//! The engine through HTTP: streaming, stop strings, prompt reuse, parallel slots, cancellation.
+
+use std::io::{BufRead, BufReader};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::{model, Server};
+
+fn gemma(extra: &[&str]) -> Server {
+    let m = model("gemma3-270m-q4_k_m.gguf");
+    let mut args = vec!["-m", m.to_str().unwrap(), "-c", "2048"];
+    args.extend_from_slice(extra);
+    Server::start(&args, &[])
+}
+
+fn greedy(prompt: &str, n: usize) -> Value {
+    json!({"prompt": prompt, "n_predict": n, "temperature": 0.0, "return_tokens": true})
+}
+
+#[test]
+fn streaming_sends_the_same_text_as_one_response() {
+    let server = gemma(&[]);
+    let (status, whole) = server.post("/completion", &greedy("The capital of France is", 16));
+    assert_eq!(status, 200, "{whole}");
+    let mut req = greedy("The capital of France is", 16);
+    req["stream"] = json!(true);
+    let chunks = server.post_stream("/completion", &req);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["stop"], true);
+    assert_eq!(last["stop_type"], "limit");
+    assert_eq!(last["timings"]["predicted_n"], 16);
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c["stop"] == false));
+    let text: String = chunks.iter().map(|c| c["content"].as_str().unwrap()).collect();
+    assert_eq!(text, whole["content"].as_str().unwrap());
+}
+
+#[test]
+fn a_stop_string_ends_generation_before_it() {
+    let server = gemma(&[]);
+    let (_, whole) = server.post("/completion", &greedy("The capital of France is", 24));
+    let content = whole["content"].as_str().unwrap().to_string();
+    let word = content.split_whitespace().nth(2).expect("three words").to_string();
+    let mut req = greedy("The capital of France is", 24);
+    req["stop"] = json!([word]);
+    let (_, cut) = server.post("/completion", &req);
+    assert_eq!(cut["stop_type"], "word", "{cut}");
+    assert_eq!(cut["stopping_word"], word.as_str());
+    assert_eq!(cut["content"].as_str().unwrap(), &content[..content.find(&word).unwrap()]);
+}
+
+#[test]
+fn a_repeated_prompt_reuses_the_slot_cache() {
+    let server = gemma(&["-np", "1"]);
+    let req = greedy("Once upon a time, in a quiet village by the sea, there lived", 4);
+    let (_, first) = server.post("/completion", &req);
+    let (_, second) = server.post("/completion", &req);
+    let n_prompt = first["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(first["timings"]["cache_n"], 0);
+    assert_eq!(second["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "{second}");
+    assert_eq!(second["timings"]["prompt_n"], 1);
+    assert_eq!(first["tokens"], second["tokens"]);
+    let mut nocache = req.clone();
+    nocache["cache_prompt"] = json!(false);
+    let (_, third) = server.post("/completion", &nocache);
+    assert_eq!(third["timings"]["cache_n"], 0);
+}
+
+#[test]
+fn parallel_requests_share_the_batch_and_all_finish() {
+    let server = gemma(&["-np", "4"]);
+    let prompts = ["The capital of France is", "Water boils at", "My favourite colour is", "In 1969, humans"];
+    let results: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts.iter().map(|p| s.spawn(|| server.post("/completion", &greedy(p, 24)).1)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let slots: std::collections::BTreeSet<u64> = results.iter().map(|r| r["id_slot"].as_u64().unwrap()).collect();
+    assert_eq!(slots.len(), 4, "each request should get its own slot: {results:?}");
+    for r in &results {
+        assert_eq!(r["tokens_predicted"], 24, "{r}");
+        assert!(!r["content"].as_str().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_slot() {
+    let server = gemma(&["-np", "1"]);
+    let mut req = greedy("Count from one to a thousand:", 1500);
+    req["stream"] = json!(true);
+    let res = ureq::post(&format!("{}/completion", server.base)).send_json(req).unwrap();
+    let mut lines = BufReader::new(res.into_reader()).lines();
+    let first = lines.find(|l| l.as_ref().is_ok_and(|l| l.starts_with("data: ")));
+    assert!(first.is_some());
+    drop(lines);
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, body) = server.post("/completion", &greedy("Hello", 4));
+    assert_eq!(status, 200, "the only slot must be free again: {body}");
+    assert_eq!(body["tokens_predicted"], 4);
+}
