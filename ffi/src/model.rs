@@ -74,6 +74,11 @@ impl Model {
         unsafe { sys::llama_model_n_ctx_train(self.as_ptr()) }
     }
 
+    pub fn n_embd_inp(&self) -> i32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }
+    }
+
     pub fn n_params(&self) -> u64 {
         // SAFETY: valid model.
         unsafe { sys::llama_model_n_params(self.as_ptr()) }
@@ -129,6 +134,12 @@ impl Vocab<'_> {
     pub fn n_tokens(&self) -> i32 {
         // SAFETY: valid vocab.
         unsafe { sys::llama_vocab_n_tokens(self.ptr.as_ptr()) }
+    }
+
+    /// llama_vocab_type as an integer (1 = SPM, 2 = BPE, ...), as llama-server reports it.
+    pub fn kind(&self) -> u32 {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_type(self.ptr.as_ptr()) as u32 }
     }
 
     pub fn bos(&self) -> Token {

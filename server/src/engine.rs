@@ -98,6 +98,9 @@ pub struct EngineHandle {
     /// The loaded model, for the read-only work handlers do themselves (tokenizing).
     model: Arc<OnceLock<Arc<Model>>>,
     model_alias: Arc<str>,
+    n_ctx_slot: Arc<OnceLock<usize>>,
+    /// Whether each slot is processing a task, as of the engine's last step.
+    busy: watch::Receiver<Vec<bool>>,
 }
 
 impl EngineHandle {
@@ -107,6 +110,18 @@ impl EngineHandle {
 
     pub fn state(&self) -> State {
         self.state.borrow().clone()
+    }
+
+    pub fn n_ctx_slot(&self) -> usize {
+        self.n_ctx_slot.get().copied().unwrap_or(0)
+    }
+
+    pub fn slots_busy(&self) -> Vec<bool> {
+        self.busy.borrow().clone()
+    }
+
+    pub fn state_watch(&self) -> watch::Receiver<State> {
+        self.state.clone()
     }
 
     pub fn model(&self) -> Option<Arc<Model>> {
@@ -126,7 +141,8 @@ impl EngineHandle {
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Task>, state: watch::Receiver<State>) -> Self {
-        Self { tx, state, model: Arc::default(), model_alias: "m".into() }
+        let (_, busy) = watch::channel(Vec::new());
+        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), busy }
     }
 }
 
@@ -144,16 +160,25 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
     let (state_tx, state_rx) = watch::channel(State::Loading);
     let model = Arc::new(OnceLock::new());
-    let shared = model.clone();
+    let n_ctx_slot = Arc::new(OnceLock::new());
+    let (busy_tx, busy) = watch::channel(vec![false; cfg.n_parallel.max(1)]);
+    let shared = Shared { model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx };
     let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, busy }
 }
 
-fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender<State>, shared: &OnceLock<Arc<Model>>) {
+/// What the engine publishes for handlers.
+struct Shared {
+    model: Arc<OnceLock<Arc<Model>>>,
+    n_ctx_slot: Arc<OnceLock<usize>>,
+    busy: watch::Sender<Vec<bool>>,
+}
+
+fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender<State>, shared: &Shared) {
     strata_ffi::init_backend(Some(&cfg.params));
     let mparams = cfg.params.model_params();
     let model = match Model::load(&cfg.model_path, &mparams) {
@@ -171,7 +196,8 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender
         }
     };
     let mut engine = Engine::new(ctx, &cfg);
-    let _ = shared.set(model.clone());
+    let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
+    let _ = shared.model.set(model.clone());
     let _ = state.send(State::Ready);
 
     loop {
@@ -184,7 +210,14 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender
         while let Ok(task) = rx.try_recv() {
             engine.pending.push_back(task);
         }
-        if !engine.step() && !engine.pending.is_empty() {
+        let worked = engine.step();
+        let busy: Vec<bool> = engine.slots.iter().map(|s| s.active.is_some()).collect();
+        shared.busy.send_if_modified(|b| {
+            let changed = *b != busy;
+            *b = busy;
+            changed
+        });
+        if !worked && !engine.pending.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
         }
     }

@@ -10,6 +10,7 @@ pub enum ErrorType {
     Server,
     NotFound,
     Unavailable,
+    NotSupported,
     ExceedContextSize,
 }
 
@@ -20,6 +21,7 @@ impl ErrorType {
             Self::Server => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
             Self::NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
             Self::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error"),
+            Self::NotSupported => (StatusCode::NOT_IMPLEMENTED, "not_supported_error"),
             Self::ExceedContextSize => (StatusCode::BAD_REQUEST, "exceed_context_size_error"),
         }
     }

@@ -13,7 +13,13 @@ use std::sync::Arc;
 use strata_ffi::{Model, Token, Vocab};
 
 use axum::body::Body;
+use axum::extract::Request;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::Method;
+use axum::middleware::Next;
 use tokio::sync::mpsc;
+
+use crate::info::{self, origin_is_localhost, ServerInfo};
 
 use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings};
 use crate::error::{ApiError, ErrorType};
@@ -35,17 +41,88 @@ const SAMPLING_FIELDS: &[&str] = &[
     "grammar",
 ];
 
-pub fn router(engine: EngineHandle) -> Router {
+#[derive(Clone)]
+pub struct App {
+    pub engine: EngineHandle,
+    pub info: Arc<ServerInfo>,
+}
+
+pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
+    let app = App { engine, info: Arc::new(info) };
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
+        .route("/models", get(models))
+        .route("/v1/models", get(models))
+        .route("/props", get(props))
+        .route("/slots", get(slots))
         .route("/completion", post(completion))
         .route("/completions", post(completion))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
         .layer(axum::middleware::map_response(server_header))
-        .with_state(engine)
+        .with_state(app)
+}
+
+const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
+
+fn header<'a>(req: &'a Request, name: &str) -> &'a str {
+    req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
+}
+
+/// The bodies llama-server's middleware writes itself (fields in its order).
+fn middleware_error(status: StatusCode, message: &str, ty: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": ty, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+/// llama-server's pre-routing: CORS (and OPTIONS preflight), 503 while loading, API keys.
+async fn gate(AxState(app): AxState<App>, req: Request, next: Next) -> Response {
+    let info = &app.info;
+    let origin = header(&req, "origin").to_string();
+    let allow_origin = if info.cors_credentials && info.cors_origins == "*" {
+        Some(origin.clone())
+    } else if info.cors_origins == "localhost" {
+        (!origin.is_empty() && origin_is_localhost(&origin)).then(|| origin.clone())
+    } else {
+        Some(info.cors_origins.clone())
+    };
+    let mut res = if req.method() == Method::OPTIONS {
+        let mut r = ([(CONTENT_TYPE, "text/html")], "").into_response();
+        let h = r.headers_mut();
+        let creds = if info.cors_credentials { "true" } else { "false" };
+        for (k, v) in [
+            ("access-control-allow-credentials", creds),
+            ("access-control-allow-methods", info.cors_methods.as_str()),
+            ("access-control-allow-headers", info.cors_headers.as_str()),
+        ] {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                h.insert(k, v);
+            }
+        }
+        r
+    } else if app.engine.state() != State::Ready {
+        middleware_error(StatusCode::SERVICE_UNAVAILABLE, "Loading model", "unavailable_error")
+    } else if !info.api_keys.is_empty() && !PUBLIC_PATHS.contains(&req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
+        middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")
+    } else {
+        next.run(req).await
+    };
+    if let Some(o) = allow_origin.and_then(|o| HeaderValue::from_str(&o).ok()) {
+        res.headers_mut().insert("access-control-allow-origin", o);
+    }
+    res
+}
+
+fn api_key_ok(req: &Request, keys: &[String]) -> bool {
+    let mut key = header(req, "authorization");
+    if key.is_empty() {
+        key = header(req, "x-api-key");
+    }
+    let key = key.strip_prefix("Bearer ").unwrap_or(key);
+    keys.iter().any(|k| k == key)
 }
 
 async fn server_header(mut res: Response) -> Response {
@@ -57,8 +134,8 @@ async fn not_found() -> ApiError {
     ApiError::new(ErrorType::NotFound, "File Not Found")
 }
 
-async fn health(AxState(engine): AxState<EngineHandle>) -> Response {
-    match engine.state() {
+async fn health(AxState(app): AxState<App>) -> Response {
+    match app.engine.state() {
         State::Ready => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
         State::Loading => ApiError::new(ErrorType::Unavailable, "Loading model").into_response(),
         State::Failed(msg) => ApiError::server(format!("failed to load model: {msg}")).into_response(),
@@ -181,7 +258,7 @@ fn sse_event(v: &Value) -> Bytes {
 
 type Render = Arc<dyn Fn(&Event) -> Value + Send + Sync>;
 
-enum Next {
+enum StreamNext {
     Event(Event),
     Recv,
     Done,
@@ -194,20 +271,20 @@ async fn stream_response(mut rx: mpsc::UnboundedReceiver<Event>, render: Render)
     if let Event::Error(e) = first {
         return Err(e);
     }
-    let body = futures_util::stream::unfold((Next::Event(first), rx), move |(next, mut rx)| {
+    let body = futures_util::stream::unfold((StreamNext::Event(first), rx), move |(next, mut rx)| {
         let render = render.clone();
         async move {
             let ev = match next {
-                Next::Done => return None,
-                Next::Event(ev) => ev,
-                Next::Recv => rx.recv().await?,
+                StreamNext::Done => return None,
+                StreamNext::Event(ev) => ev,
+                StreamNext::Recv => rx.recv().await?,
             };
             let last = !matches!(ev, Event::Partial(_));
             let bytes = match &ev {
                 Event::Error(e) => sse_event(&json!({"error": e.body()["error"]})),
                 other => sse_event(&render(other)),
             };
-            Some((Ok::<_, std::convert::Infallible>(bytes), (if last { Next::Done } else { Next::Recv }, rx)))
+            Some((Ok::<_, std::convert::Infallible>(bytes), (if last { StreamNext::Done } else { StreamNext::Recv }, rx)))
         }
     });
     Ok(Response::builder()
@@ -217,7 +294,7 @@ async fn stream_response(mut rx: mpsc::UnboundedReceiver<Event>, render: Render)
         .unwrap())
 }
 
-async fn completion(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Response, ApiError> {
+async fn completion(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&engine)?;
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
@@ -244,6 +321,34 @@ async fn completion(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Resu
             }
         }
     }
+}
+
+async fn models(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
+    let model = loaded_model(&app.engine)?;
+    Ok(Json(info::models(&app.info, &model, app.engine.n_ctx_slot())))
+}
+
+async fn props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
+    let model = loaded_model(&app.engine)?;
+    let vocab = model.vocab();
+    let piece = |t| String::from_utf8_lossy(&vocab.token_to_piece(t, true)).into_owned();
+    let template = model.meta("tokenizer.chat_template").unwrap_or_default();
+    Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()))))
+}
+
+async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
+    if !app.info.endpoint_slots {
+        return Err(ApiError::new(ErrorType::NotSupported, "This server does not support slots endpoint. Start it with `--slots`"));
+    }
+    let n_ctx = app.engine.n_ctx_slot();
+    let slots: Vec<Value> = app
+        .engine
+        .slots_busy()
+        .iter()
+        .enumerate()
+        .map(|(id, &busy)| json!({"id": id, "n_ctx": n_ctx, "speculative": false, "is_processing": busy}))
+        .collect();
+    Ok(Json(Value::Array(slots)))
 }
 
 fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
@@ -280,7 +385,7 @@ fn token_id(v: &Value) -> Result<Token, ApiError> {
         .ok_or_else(|| ApiError::invalid(format!("invalid token id: {v}")))
 }
 
-async fn tokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn tokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&engine)?;
     let vocab = model.vocab();
@@ -305,7 +410,7 @@ async fn tokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result
     Ok(Json(json!({"tokens": pieces})))
 }
 
-async fn detokenize(AxState(engine): AxState<EngineHandle>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn detokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&engine)?;
     let tokens: Vec<Token> = match body.get("tokens") {
@@ -368,18 +473,18 @@ mod tests {
 
     #[tokio::test]
     async fn health_is_503_while_loading_then_ok() {
-        let (s, v, server) = call(router(engine(State::Loading)), "GET", "/health", "").await;
+        let (s, v, server) = call(router(engine(State::Loading), ServerInfo::default()), "GET", "/health", "").await;
         assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(v, json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}));
         assert_eq!(server.as_deref(), Some("llama.cpp"));
-        let (s, v, _) = call(router(engine(State::Ready)), "GET", "/health", "").await;
+        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "GET", "/health", "").await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(v, json!({"status": "ok"}));
     }
 
     #[tokio::test]
     async fn completion_before_the_model_is_loaded_is_503() {
-        let (s, v, _) = call(router(engine(State::Loading)), "POST", "/completion", r#"{"prompt":"abc"}"#).await;
+        let (s, v, _) = call(router(engine(State::Loading), ServerInfo::default()), "POST", "/completion", r#"{"prompt":"abc"}"#).await;
         assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(v["error"]["message"], "Loading model");
     }
@@ -387,7 +492,7 @@ mod tests {
     #[tokio::test]
     async fn malformed_json_gets_the_llama_cpp_error_shape() {
         for body in ["{not json", "[1,2]"] {
-            let (s, v, _) = call(router(engine(State::Ready)), "POST", "/completion", body).await;
+            let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "POST", "/completion", body).await;
             assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
             assert_eq!(v["error"]["code"], 400);
@@ -396,7 +501,7 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_route_is_404_in_llama_cpp_shape() {
-        let (s, v, _) = call(router(engine(State::Ready)), "GET", "/nope", "").await;
+        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "GET", "/nope", "").await;
         assert_eq!(s, StatusCode::NOT_FOUND);
         assert_eq!(v["error"]["type"], "not_found_error");
     }
@@ -414,4 +519,54 @@ mod tests {
         let bad = json!({"stop": 3});
         assert!(task_params(bad.as_object().unwrap()).is_err());
     }
+
+    async fn call_with(app: Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {
+        let res = app.oneshot(req).await.unwrap();
+        let (status, headers) = (res.status(), res.headers().clone());
+        (status, headers, res.into_body().collect().await.unwrap().to_bytes())
+    }
+
+    #[tokio::test]
+    async fn api_keys_guard_everything_but_health() {
+        let info = ServerInfo { api_keys: vec!["sk-secret".into()], cors_origins: "*".into(), cors_credentials: true, ..Default::default() };
+        let get = |uri: &str, key: Option<(&str, &str)>| {
+            let mut b = Request::builder().uri(uri);
+            if let Some((h, v)) = key {
+                b = b.header(h, v);
+            }
+            b.body(Body::empty()).unwrap()
+        };
+        let app = || router(engine(State::Ready), info.clone());
+        let (s, _, body) = call_with(app(), get("/models", None)).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        assert_eq!(&body[..], br#"{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}"#);
+        let (s, _, _) = call_with(app(), get("/models", Some(("authorization", "Bearer wrong")))).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
+        let (s, _, _) = call_with(app(), get("/health", None)).await;
+        assert_eq!(s, StatusCode::OK);
+        let (s, _, _) = call_with(app(), get("/nope", Some(("authorization", "Bearer sk-secret")))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "a valid key passes the gate");
+        let (s, _, _) = call_with(app(), get("/nope", Some(("x-api-key", "sk-secret")))).await;
+        assert_eq!(s, StatusCode::NOT_FOUND, "the Anthropic header works too");
+    }
+
+    #[tokio::test]
+    async fn cors_preflight_and_origin_reflection() {
+        let info = ServerInfo {
+            cors_origins: "localhost".into(),
+            cors_methods: "GET, POST".into(),
+            cors_headers: "*".into(),
+            ..Default::default()
+        };
+        let preflight = |origin: &str| {
+            Request::builder().method("OPTIONS").uri("/completions").header("origin", origin).body(Body::empty()).unwrap()
+        };
+        let (s, h, _) = call_with(router(engine(State::Ready), info.clone()), preflight("http://localhost:3000")).await;
+        assert_eq!(s, StatusCode::OK);
+        assert_eq!(h["access-control-allow-origin"], "http://localhost:3000");
+        assert_eq!(h["access-control-allow-methods"], "GET, POST");
+        let (_, h, _) = call_with(router(engine(State::Ready), info), preflight("http://evil.example")).await;
+        assert!(h.get("access-control-allow-origin").is_none());
+    }
 }
+

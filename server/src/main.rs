@@ -5,6 +5,7 @@ mod error;
 mod flags;
 mod generation;
 mod http;
+mod info;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -57,6 +58,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let host = cfg["hostnames"][0].as_str().unwrap_or("127.0.0.1").to_string();
     let port = cfg["port"].as_i64().unwrap_or(8080);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
+    if model_path.as_os_str().is_empty() {
+        anyhow::bail!("no model given (-m); llama-server's router mode is not supported by strata-server yet");
+    }
     let model_alias = cfg["model_alias"]
         .as_array()
         .and_then(|a| a.first())
@@ -67,6 +71,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let n_parallel = cfg["n_parallel"].as_u64().unwrap_or(1) as usize;
     let kv_unified = cfg["kv_unified"].as_bool().unwrap_or(false);
 
+    let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((host.as_str(), port as u16))
@@ -75,11 +80,27 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         let addr = listener.local_addr()?;
         let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_parallel, kv_unified, n_predict_default });
         eprintln!("main: server is listening on http://{addr}");
-        axum::serve(listener, http::router(engine))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await?;
+        let mut state = engine.state_watch();
+        let load_failed = async move {
+            loop {
+                if let engine::State::Failed(msg) = state.borrow_and_update().clone() {
+                    return msg;
+                }
+                if state.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        let server = axum::serve(listener, http::router(engine, info)).with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        });
+        tokio::select! {
+            r = server => r?,
+            msg = load_failed => {
+                eprintln!("main: {msg}");
+                anyhow::bail!("exiting due to model loading error");
+            }
+        }
         Ok(())
     })
 }

@@ -1,0 +1,151 @@
+//! What the server tells about itself: /models, /v1/models, /props, /slots, and the settings
+//! the HTTP middleware needs (API keys, CORS).
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use strata_ffi::Model;
+
+/// Settings read once from the parsed flags.
+#[derive(Debug, Clone, Default)]
+pub struct ServerInfo {
+    pub model_alias: String,
+    pub model_aliases: Vec<String>,
+    pub model_tags: Vec<String>,
+    pub model_path: String,
+    pub n_parallel: usize,
+    pub api_keys: Vec<String>,
+    pub cors_origins: String,
+    pub cors_methods: String,
+    pub cors_headers: String,
+    pub cors_credentials: bool,
+    pub endpoint_slots: bool,
+    pub endpoint_props: bool,
+    pub endpoint_metrics: bool,
+    pub ui: bool,
+    pub sampling: Value,
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect()).unwrap_or_default()
+}
+
+impl ServerInfo {
+    pub fn from_params(cfg: &Value, model_alias: String, n_parallel: usize) -> Self {
+        let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
+        let b = |k: &str| cfg[k].as_bool().unwrap_or(false);
+        Self {
+            model_alias,
+            model_aliases: strings(&cfg["model_alias"]),
+            model_tags: strings(&cfg["model_tags"]),
+            model_path: s("model"),
+            n_parallel,
+            api_keys: strings(&cfg["api_keys"]),
+            cors_origins: s("cors_origins"),
+            cors_methods: s("cors_methods"),
+            cors_headers: s("cors_headers"),
+            cors_credentials: b("cors_credentials"),
+            endpoint_slots: b("endpoint_slots"),
+            endpoint_props: b("endpoint_props"),
+            endpoint_metrics: b("endpoint_metrics"),
+            ui: b("ui"),
+            sampling: cfg["sampling"].clone(),
+        }
+    }
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn model_info(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value {
+    json!({
+        "id": info.model_alias,
+        "aliases": info.model_aliases,
+        "tags": info.model_tags,
+        "object": "model",
+        "created": now(),
+        "owned_by": "llamacpp",
+        "meta": {
+            "vocab_type": model.vocab().kind(),
+            "n_vocab": model.vocab().n_tokens(),
+            "n_ctx": n_ctx_slot,
+            "n_ctx_train": model.n_ctx_train(),
+            "n_embd": model.n_embd_inp(),
+            "n_params": model.n_params(),
+            "size": model.size(),
+        },
+    })
+}
+
+pub fn models(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value {
+    json!({
+        "models": [{
+            "name": info.model_alias,
+            "model": info.model_alias,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }],
+        "object": "list",
+        "data": [model_info(info, model, n_ctx_slot)],
+    })
+}
+
+pub fn props(info: &ServerInfo, n_ctx_slot: usize, chat_template: &str, bos: &str, eos: &str) -> Value {
+    json!({
+        "default_generation_settings": {"params": info.sampling, "n_ctx": n_ctx_slot},
+        "total_slots": info.n_parallel,
+        "model_alias": info.model_alias,
+        "model_path": info.model_path,
+        "modalities": {"vision": false, "video": false, "audio": false},
+        "endpoint_slots": info.endpoint_slots,
+        "endpoint_props": info.endpoint_props,
+        "endpoint_metrics": info.endpoint_metrics,
+        "ui": info.ui,
+        "chat_template": chat_template,
+        "bos_token": bos,
+        "eos_token": eos,
+        "is_sleeping": false,
+    })
+}
+
+/// Whether an Origin header names this machine (llama-server's `--cors-origins localhost`).
+pub fn origin_is_localhost(origin: &str) -> bool {
+    let rest = origin.split_once("://").map_or(origin, |(_, r)| r);
+    let host_port = rest.split('/').next().unwrap_or("");
+    let host = if let Some(v6) = host_port.strip_prefix('[') {
+        v6.split(']').next().unwrap_or("")
+    } else {
+        host_port.split(':').next().unwrap_or("")
+    };
+    matches!(host, "localhost" | "127.0.0.1" | "::1")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn localhost_origins() {
+        for o in ["http://localhost", "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]", "http://[::1]:3000"] {
+            assert!(origin_is_localhost(o), "{o}");
+        }
+        for o in ["http://example.com", "http://localhost.evil.com", "http://127.0.0.2", "null", ""] {
+            assert!(!origin_is_localhost(o), "{o}");
+        }
+    }
+}
