@@ -1,6 +1,7 @@
 #include "strata_shim.h"
 
 #include "arg.h"
+#include "build-info.h"
 #include "chat.h"
 #include "common.h"
 #include "json-schema-to-grammar.h"
@@ -304,6 +305,60 @@ char * strata_chat_parse(const char * text, bool is_partial, const char * parser
         const common_chat_msg msg = common_chat_parse(text, is_partial, pp);
         return dup_string(msg.to_json_oaicompat().dump());
     });
+}
+
+static common_chat_msg msg_from_json(const char * text) {
+    const json j = json::parse(text);
+    if (j.is_null() || j.empty()) {
+        return common_chat_msg();
+    }
+    json m = j;
+    if (!m.contains("role")) {
+        m["role"] = "assistant";
+    }
+    auto msgs = common_chat_msgs_parse_oaicompat(common_json::parse(json::array({m}).dump()));
+    return msgs.empty() ? common_chat_msg() : msgs.front();
+}
+
+char * strata_chat_msg_diffs(const char * prev_msg_json, const char * new_msg_json, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() -> char * {
+        const auto diffs = common_chat_msg_diff::compute_diffs(msg_from_json(prev_msg_json), msg_from_json(new_msg_json));
+        json out = json::array();
+        for (const auto & d : diffs) {
+            json delta = json::object();
+            if (!d.reasoning_content_delta.empty()) {
+                delta["reasoning_content"] = d.reasoning_content_delta;
+            }
+            if (!d.content_delta.empty()) {
+                delta["content"] = d.content_delta;
+            }
+            if (d.tool_call_index != std::string::npos) {
+                json tool_call;
+                tool_call["index"] = d.tool_call_index;
+                if (!d.tool_call_delta.id.empty()) {
+                    tool_call["id"]   = d.tool_call_delta.id;
+                    tool_call["type"] = "function";
+                }
+                if (!d.tool_call_delta.name.empty() || !d.tool_call_delta.arguments.empty()) {
+                    json function = json::object();
+                    if (!d.tool_call_delta.name.empty()) {
+                        function["name"] = d.tool_call_delta.name;
+                    }
+                    if (!d.tool_call_delta.arguments.empty()) {
+                        function["arguments"] = d.tool_call_delta.arguments;
+                    }
+                    tool_call["function"] = function;
+                }
+                delta["tool_calls"] = json::array({tool_call});
+            }
+            out.push_back(delta);
+        }
+        return dup_string(out.dump());
+    });
+}
+
+const char * strata_build_info(void) {
+    return llama_build_info();
 }
 
 // ---- grammar --------------------------------------------------------------------------------

@@ -73,6 +73,13 @@ char * strata_chat_templates_source(const strata_chat_templates * t, const char 
 // Returns the OpenAI-shaped assistant message.
 char * strata_chat_parse(const char * text, bool is_partial, const char * parser_json, char ** err);
 
+// The OpenAI stream deltas between two assistant messages (OpenAI-shaped JSON objects), as
+// common_chat_msg_diff::compute_diffs and llama-server's delta JSON give them: a JSON array.
+char * strata_chat_msg_diffs(const char * prev_msg_json, const char * new_msg_json, char ** err);
+
+// llama_build_info(): llama-server's system_fingerprint.
+const char * strata_build_info(void);
+
 // ---- grammar --------------------------------------------------------------------------------
 
 char * strata_json_schema_to_grammar(const char * schema_json, char ** err);

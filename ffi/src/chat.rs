@@ -65,6 +65,23 @@ pub fn parse_chat_message(text: &str, is_partial: bool, parser: &Value) -> Resul
     Ok(serde_json::from_str(&out)?)
 }
 
+/// OpenAI stream deltas from one state of an assistant message to the next.
+pub fn chat_msg_diffs(prev: &Value, new: &Value) -> Result<Vec<Value>> {
+    let prev = cstring(&prev.to_string(), "message")?;
+    let new = cstring(&new.to_string(), "message")?;
+    let out = call(|err| {
+        // SAFETY: valid C strings for the call; the result is owned by us.
+        take(unsafe { sys::strata_chat_msg_diffs(prev.as_ptr(), new.as_ptr(), err) })
+    })?;
+    Ok(serde_json::from_str(&out)?)
+}
+
+/// llama_build_info(), llama-server's `system_fingerprint`.
+pub fn build_info() -> String {
+    // SAFETY: returns a static NUL-terminated string.
+    unsafe { std::ffi::CStr::from_ptr(sys::strata_build_info()) }.to_string_lossy().into_owned()
+}
+
 /// llama.cpp's JSON-schema-to-GBNF conversion.
 pub fn json_schema_to_grammar(schema: &Value) -> Result<String> {
     let schema = cstring(&schema.to_string(), "json schema")?;

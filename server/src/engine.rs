@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use strata_ffi::{Batch, Context, Model, Sampler, ServerParams, Token};
+use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Token};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{ApiError, ErrorType};
@@ -47,6 +47,8 @@ pub struct TaskParams {
 }
 
 pub struct Task {
+    /// Position of this prompt in a multi-prompt request.
+    pub index: usize,
     pub prompt: Vec<Token>,
     pub params: TaskParams,
     pub events: mpsc::UnboundedSender<Event>,
@@ -63,6 +65,7 @@ pub struct Timings {
 
 #[derive(Debug, Clone)]
 pub struct Partial {
+    pub index: usize,
     pub content: String,
     pub tokens: Vec<Token>,
     pub id_slot: usize,
@@ -72,6 +75,7 @@ pub struct Partial {
 
 #[derive(Debug, Clone)]
 pub struct Final {
+    pub index: usize,
     pub content: String,
     pub tokens: Vec<Token>,
     pub id_slot: usize,
@@ -128,13 +132,17 @@ impl EngineHandle {
         self.model.get().cloned()
     }
 
-    /// Queues a task; its events arrive on the returned channel.
-    pub fn submit(&self, prompt: Vec<Token>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    /// Queues one task per prompt; the events of all arrive on the returned channel, each
+    /// tagged with its prompt's index. Dropping the receiver cancels them all.
+    pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
-        self.tx.try_send(Task { prompt, params, events }).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
-            mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
-        })?;
+        for (index, prompt) in prompts.into_iter().enumerate() {
+            let task = Task { index, prompt, params: params.clone(), events: events.clone() };
+            self.tx.try_send(task).map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
+                mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
+            })?;
+        }
         Ok(rx)
     }
 
@@ -396,11 +404,16 @@ impl<'m> Engine<'m> {
             return false;
         }
         if let Err(e) = self.ctx.decode(&self.batch) {
+            let msg = match e {
+                DecodeError::NoKvCacheSlot => "Context size has been exceeded.",
+                DecodeError::InvalidBatch => "Invalid input batch.",
+                DecodeError::Aborted => "Decoding was aborted.",
+                DecodeError::Fatal(_) => "Compute error.",
+            };
+            // As llama-server: every processing slot fails, and its sequence is dropped.
             for id in 0..self.slots.len() {
-                if self.slots[id].active.as_ref().is_some_and(|a| a.i_batch.is_some() || a.t_gen.is_none()) {
-                    if let Some(a) = self.release(id) {
-                        let _ = a.task.events.send(Event::Error(ApiError::server(format!("decode failed: {e}"))));
-                    }
+                if let Some(a) = self.release(id) {
+                    let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
                     self.ctx.seq_rm(id as i32, 0, -1);
                     self.slots[id].cache.clear();
                 }
@@ -451,6 +464,7 @@ impl<'m> Engine<'m> {
         let n_prompt = a.task.prompt.len();
         if a.task.params.stream {
             let partial = Partial {
+                index: a.task.index,
                 content: String::from_utf8_lossy(&text).into_owned(),
                 tokens: vec![token],
                 id_slot: id,
@@ -470,6 +484,7 @@ impl<'m> Engine<'m> {
         let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
         let stream = a.task.params.stream;
         let fin = Final {
+            index: a.task.index,
             content: if stream { String::new() } else { a.gen.text() },
             tokens: if stream || !a.task.params.return_tokens { Vec::new() } else { a.tokens.clone() },
             id_slot: id,

@@ -222,7 +222,7 @@ fn timings_json(t: &Timings) -> Value {
 
 fn partial_json(p: &Partial) -> Value {
     json!({
-        "index": 0,
+        "index": p.index,
         "content": p.content,
         "tokens": p.tokens,
         "stop": false,
@@ -234,7 +234,7 @@ fn partial_json(p: &Partial) -> Value {
 
 fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
     json!({
-        "index": 0,
+        "index": f.index,
         "content": f.content,
         "tokens": f.tokens,
         "id_slot": f.id_slot,
@@ -252,40 +252,56 @@ fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
     })
 }
 
-fn sse_event(v: &Value) -> Bytes {
-    Bytes::from(format!("data: {v}\n\n"))
-}
-
-type Render = Arc<dyn Fn(&Event) -> Value + Send + Sync>;
-
-enum StreamNext {
-    Event(Event),
-    Recv,
-    Done,
-}
-
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
-/// error), the rest go out as SSE `data:` lines; an error mid-stream ends it.
-async fn stream_response(mut rx: mpsc::UnboundedReceiver<Event>, render: Render) -> Result<Response, ApiError> {
+/// error), the rest go out as SSE `data:` lines until every task has finished; an error
+/// mid-stream ends it. `done` is the closing line, if the API has one (`data: [DONE]`).
+async fn stream_response(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    n_tasks: usize,
+    mut render: impl FnMut(&Event) -> Vec<Value> + Send + 'static,
+    done: Option<&'static str>,
+) -> Result<Response, ApiError> {
     let first = rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))?;
     if let Event::Error(e) = first {
         return Err(e);
     }
-    let body = futures_util::stream::unfold((StreamNext::Event(first), rx), move |(next, mut rx)| {
-        let render = render.clone();
-        async move {
-            let ev = match next {
-                StreamNext::Done => return None,
-                StreamNext::Event(ev) => ev,
-                StreamNext::Recv => rx.recv().await?,
-            };
-            let last = !matches!(ev, Event::Partial(_));
-            let bytes = match &ev {
-                Event::Error(e) => sse_event(&json!({"error": e.body()["error"]})),
-                other => sse_event(&render(other)),
-            };
-            Some((Ok::<_, std::convert::Infallible>(bytes), (if last { StreamNext::Done } else { StreamNext::Recv }, rx)))
+    let mut remaining = n_tasks;
+    let mut next = Some(first);
+    let mut finished = false;
+    let body = futures_util::stream::poll_fn(move |cx| {
+        if finished {
+            return std::task::Poll::Ready(None);
         }
+        let ev = match next.take() {
+            Some(ev) => ev,
+            None => match rx.poll_recv(cx) {
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+                std::task::Poll::Ready(None) => return std::task::Poll::Ready(None),
+                std::task::Poll::Ready(Some(ev)) => ev,
+            },
+        };
+        let mut out = String::new();
+        match &ev {
+            Event::Error(e) => {
+                out.push_str(&format!("data: {}\n\n", json!({"error": e.body()["error"]})));
+                finished = true;
+            }
+            other => {
+                for v in render(other) {
+                    out.push_str(&format!("data: {v}\n\n"));
+                }
+                if matches!(other, Event::Final(_)) {
+                    remaining -= 1;
+                    if remaining == 0 {
+                        finished = true;
+                        if let Some(d) = done {
+                            out.push_str(d);
+                        }
+                    }
+                }
+            }
+        }
+        std::task::Poll::Ready(Some(Ok::<_, std::convert::Infallible>(Bytes::from(out))))
     });
     Ok(Response::builder()
         .status(StatusCode::OK)
@@ -294,33 +310,65 @@ async fn stream_response(mut rx: mpsc::UnboundedReceiver<Event>, render: Render)
         .unwrap())
 }
 
+/// Every prompt of a request: a string, tokens, mixed strings and tokens, a
+/// `{"prompt_string": ...}` object, or an array of those (llama-server's tokenize_input_prompts).
+fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Token>>, ApiError> {
+    let is_multi = matches!(prompt, Value::Array(items) if !items.iter().any(Value::is_i64));
+    let one = |p: &Value| -> Result<Vec<Token>, ApiError> {
+        match p {
+            Value::String(_) | Value::Array(_) => tokenize_mixed(vocab, p, true, true),
+            Value::Object(o) if o.contains_key("prompt_string") => {
+                if o.contains_key("multimodal_data") {
+                    return Err(ApiError::server("Multimodal data provided, but model does not support multimodal requests."));
+                }
+                tokenize_mixed(vocab, &o["prompt_string"], true, true)
+            }
+            _ => Err(ApiError::invalid(
+                "\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a list of mixed strings & tokens.",
+            )),
+        }
+    };
+    let prompts = if is_multi {
+        prompt.as_array().unwrap().iter().map(one).collect::<Result<Vec<_>, _>>()?
+    } else {
+        vec![one(prompt)?]
+    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid("\"prompt\" must not be empty"));
+    }
+    Ok(prompts)
+}
+
 async fn completion(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&engine)?;
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
-    let prompt = tokenize_mixed(model.vocab(), prompt_value, true, true)?;
+    let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
     let params = task_params(&body)?;
-    let stream = params.stream;
-    let mut rx = engine.submit(prompt.clone(), params)?;
+    let n = prompts.len();
     let alias = engine.model_alias().to_string();
-    if stream {
-        let render: Render = Arc::new(move |ev| match ev {
-            Event::Partial(p) => partial_json(p),
-            Event::Final(f) => final_json(f, &alias, ""),
-            Event::Error(e) => e.body(),
-        });
-        return stream_response(rx, render).await;
+    let mut rx = engine.submit(prompts.clone(), params.clone())?;
+    if params.stream {
+        let render = move |ev: &Event| match ev {
+            Event::Partial(p) => vec![partial_json(p)],
+            Event::Final(f) => vec![final_json(f, &alias, "")],
+            Event::Error(e) => vec![e.body()],
+        };
+        return stream_response(rx, n, render, None).await;
     }
-    loop {
+    let mut results: Vec<Option<Value>> = vec![None; n];
+    while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
             Event::Partial(_) => {}
             Event::Error(e) => return Err(e),
             Event::Final(f) => {
-                let prompt_text = model.vocab().detokenize(&prompt, false, true);
-                return Ok(Json(final_json(&f, &alias, &prompt_text)).into_response());
+                let prompt_text = model.vocab().detokenize(&prompts[f.index], false, true);
+                results[f.index] = Some(final_json(&f, &alias, &prompt_text));
             }
         }
     }
+    let mut results: Vec<Value> = results.into_iter().flatten().collect();
+    Ok(Json(if n == 1 { results.remove(0) } else { Value::Array(results) }).into_response())
 }
 
 async fn models(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
@@ -445,6 +493,7 @@ mod tests {
             let _keep = state_tx;
             while let Some(task) = rx.recv().await {
                 let fin = Final {
+                    index: task.index,
                     content: "hi".into(),
                     tokens: vec![1, 2],
                     id_slot: 0,

@@ -55,7 +55,11 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
     }
     let cfg = params.to_json().context("reading parsed parameters")?;
-    let host = cfg["hostnames"][0].as_str().unwrap_or("127.0.0.1").to_string();
+    let hosts: Vec<String> = cfg["hostnames"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|h| h.as_str().map(String::from)).collect())
+        .filter(|h: &Vec<String>| !h.is_empty())
+        .unwrap_or_else(|| vec!["127.0.0.1".into()]);
     let port = cfg["port"].as_i64().unwrap_or(8080);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
     if model_path.as_os_str().is_empty() {
@@ -74,12 +78,19 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((host.as_str(), port as u16))
-            .await
-            .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
-        let addr = listener.local_addr()?;
+        let mut listeners = Vec::new();
+        for host in &hosts {
+            let addr = host.trim_start_matches('[').trim_end_matches(']');
+            let listener = tokio::net::TcpListener::bind((addr, port as u16))
+                .await
+                .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
+            listeners.push(listener);
+        }
         let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_parallel, kv_unified, n_predict_default });
-        eprintln!("main: server is listening on http://{addr}");
+        for l in &listeners {
+            let addr = l.local_addr()?;
+            eprintln!("main: server is listening on http://{addr}");
+        }
         let mut state = engine.state_watch();
         let load_failed = async move {
             loop {
@@ -91,16 +102,35 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
-        let server = axum::serve(listener, http::router(engine, info)).with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        });
+        let app = http::router(engine, info);
+        for l in listeners {
+            tokio::spawn(accept_loop(l, app.clone()));
+        }
         tokio::select! {
-            r = server => r?,
+            _ = tokio::signal::ctrl_c() => Ok(()),
             msg = load_failed => {
                 eprintln!("main: {msg}");
                 anyhow::bail!("exiting due to model loading error");
             }
         }
-        Ok(())
     })
+}
+
+/// HTTP/1.1 with header names in title case, as llama-server (cpp-httplib) writes them: some
+/// clients, the pin's own tests among them, look headers up case-sensitively.
+async fn accept_loop(listener: tokio::net::TcpListener, app: axum::Router) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new()
+                .title_case_headers(true)
+                .serve_connection(io, svc)
+                .await;
+        });
+    }
 }
