@@ -8,9 +8,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use strata_ffi::{Model, Token, Vocab};
+use strata_ffi::{ChatTemplates, Model, Token, Vocab};
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -20,6 +20,7 @@ use axum::middleware::Next;
 use tokio::sync::mpsc;
 
 use crate::info::{self, origin_is_localhost, ServerInfo};
+use crate::oai;
 
 use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings};
 use crate::error::{ApiError, ErrorType};
@@ -38,17 +39,19 @@ const SAMPLING_FIELDS: &[&str] = &[
     "seed", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability", "xtc_threshold",
     "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "top_n_sigma", "ignore_eos",
-    "grammar",
+    "grammar", "grammar_type", "grammar_lazy", "grammar_triggers", "generation_prompt", "logit_bias",
 ];
 
 #[derive(Clone)]
 pub struct App {
     pub engine: EngineHandle,
     pub info: Arc<ServerInfo>,
+    /// The model's chat templates, made on first use after loading.
+    pub chat: Arc<OnceLock<Result<Arc<ChatTemplates>, String>>>,
 }
 
 pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
-    let app = App { engine, info: Arc::new(info) };
+    let app = App { engine, info: Arc::new(info), chat: Arc::default() };
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -58,6 +61,10 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/slots", get(slots))
         .route("/completion", post(completion))
         .route("/completions", post(completion))
+        .route("/v1/completions", post(oai::completions))
+        .route("/chat/completions", post(oai::chat_completions))
+        .route("/v1/chat/completions", post(oai::chat_completions))
+        .route("/apply-template", post(oai::apply_template))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
@@ -142,7 +149,7 @@ async fn health(AxState(app): AxState<App>) -> Response {
     }
 }
 
-fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
+pub fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err(ApiError::invalid("request body must be a JSON object")),
@@ -206,7 +213,7 @@ fn per_token(n: usize, ms: f64) -> f64 {
     if n > 0 { ms / n as f64 } else { 0.0 }
 }
 
-fn timings_json(t: &Timings) -> Value {
+pub fn timings_json(t: &Timings) -> Value {
     json!({
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
@@ -255,7 +262,7 @@ fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
 /// error), the rest go out as SSE `data:` lines until every task has finished; an error
 /// mid-stream ends it. `done` is the closing line, if the API has one (`data: [DONE]`).
-async fn stream_response(
+pub async fn stream_response(
     mut rx: mpsc::UnboundedReceiver<Event>,
     n_tasks: usize,
     mut render: impl FnMut(&Event) -> Vec<Value> + Send + 'static,
@@ -312,7 +319,7 @@ async fn stream_response(
 
 /// Every prompt of a request: a string, tokens, mixed strings and tokens, a
 /// `{"prompt_string": ...}` object, or an array of those (llama-server's tokenize_input_prompts).
-fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Token>>, ApiError> {
+pub fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Token>>, ApiError> {
     let is_multi = matches!(prompt, Value::Array(items) if !items.iter().any(Value::is_i64));
     let one = |p: &Value| -> Result<Vec<Token>, ApiError> {
         match p {
@@ -345,25 +352,37 @@ async fn completion(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> R
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
     let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
     let params = task_params(&body)?;
+    let stream = params.stream;
     let n = prompts.len();
     let alias = engine.model_alias().to_string();
-    let mut rx = engine.submit(prompts.clone(), params.clone())?;
-    if params.stream {
-        let render = move |ev: &Event| match ev {
-            Event::Partial(p) => vec![partial_json(p)],
-            Event::Final(f) => vec![final_json(f, &alias, "")],
-            Event::Error(e) => vec![e.body()],
-        };
+    let rx = engine.submit(prompts.clone(), params.clone())?;
+    let render = move |ev: &Event| match ev {
+        Event::Partial(p) => vec![partial_json(p)],
+        // The prompt text is only in non-streamed answers, as llama-server does.
+        Event::Final(f) if params.stream => vec![final_json(f, &alias, "")],
+        Event::Final(f) => vec![final_json(f, &alias, &model.vocab().detokenize(&prompts[f.index], false, true))],
+        Event::Error(e) => vec![e.body()],
+    };
+    if stream {
         return stream_response(rx, n, render, None).await;
     }
+    collect(rx, n, render).await
+}
+
+/// Waits for every task's final event and answers with its JSON (an array for several).
+pub async fn collect(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    n: usize,
+    mut render: impl FnMut(&Event) -> Vec<Value>,
+) -> Result<Response, ApiError> {
     let mut results: Vec<Option<Value>> = vec![None; n];
     while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
             Event::Partial(_) => {}
             Event::Error(e) => return Err(e),
-            Event::Final(f) => {
-                let prompt_text = model.vocab().detokenize(&prompts[f.index], false, true);
-                results[f.index] = Some(final_json(&f, &alias, &prompt_text));
+            ev @ Event::Final(_) => {
+                let Event::Final(f) = &ev else { unreachable!() };
+                results[f.index] = render(&ev).pop();
             }
         }
     }
@@ -399,7 +418,7 @@ async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
     Ok(Json(Value::Array(slots)))
 }
 
-fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
+pub fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
     engine.model().ok_or_else(|| ApiError::new(ErrorType::Unavailable, "Loading model"))
 }
 

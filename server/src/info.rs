@@ -24,6 +24,10 @@ pub struct ServerInfo {
     pub endpoint_metrics: bool,
     pub ui: bool,
     pub sampling: Value,
+    pub use_jinja: bool,
+    pub chat_template: String,
+    pub reasoning_format: String,
+    pub enable_reasoning: i64,
 }
 
 fn strings(v: &Value) -> Vec<String> {
@@ -50,6 +54,10 @@ impl ServerInfo {
             endpoint_metrics: b("endpoint_metrics"),
             ui: b("ui"),
             sampling: cfg["sampling"].clone(),
+            use_jinja: b("use_jinja"),
+            chat_template: s("chat_template"),
+            reasoning_format: s("reasoning_format"),
+            enable_reasoning: cfg["enable_reasoning"].as_i64().unwrap_or(-1),
         }
     }
 }
