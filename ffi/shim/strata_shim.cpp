@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -144,6 +145,8 @@ static json sampling_json(const common_params_sampling & s) {
         {"mirostat_tau", s.mirostat_tau},
         {"mirostat_eta", s.mirostat_eta},
         {"top_n_sigma", s.top_n_sigma},
+        {"adaptive_target", s.adaptive_target},
+        {"adaptive_decay", s.adaptive_decay},
         {"ignore_eos", s.ignore_eos},
         {"grammar", s.grammar.grammar},
     };
@@ -428,7 +431,9 @@ static void apply_sampling_overrides(common_params_sampling & s, const json & j)
     if (j.contains("logit_bias")) {
         s.logit_bias.clear();
         for (const auto & e : j.at("logit_bias")) {
-            s.logit_bias.push_back({e.at(0).get<llama_token>(), e.at(1).get<float>()});
+            // false bans the token: JSON has no -infinity.
+            const float bias = e.at(1).is_boolean() ? -INFINITY : e.at(1).get<float>();
+            s.logit_bias.push_back({e.at(0).get<llama_token>(), bias});
         }
     }
 }
@@ -467,6 +472,25 @@ void strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_gr
 
 void strata_sampler_reset(strata_sampler * s) {
     common_sampler_reset(s->smpl);
+}
+
+int32_t strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
+                                  llama_token * ids, float * probs, int32_t n_max) {
+    const llama_token_data_array * cur = common_sampler_get_candidates(s->smpl, true);
+    *token_prob = 0.0f;
+    int32_t written = 0;
+    for (size_t i = 0; i < cur->size; i++) {
+        if (cur->data[i].id == token) {
+            *token_prob = cur->data[i].p;
+        }
+        // Samplers differ in whether they keep zero-probability candidates; drop them all.
+        if (written < n_max && cur->data[i].p > 0.0f) {
+            ids[written]   = cur->data[i].id;
+            probs[written] = cur->data[i].p;
+            written++;
+        }
+    }
+    return written;
 }
 
 uint32_t strata_sampler_seed(const strata_sampler * s) {

@@ -89,13 +89,19 @@ char * strata_json_schema_to_grammar(const char * schema_json, char ** err);
 typedef struct strata_sampler strata_sampler;
 
 // The server's sampling defaults from p, overridden by overrides_json whose keys are
-// common_params_sampling's field names (temp, top_k, top_p, min_p, seed, grammar, ...).
+// common_params_sampling's field names (temp, top_k, top_p, min_p, seed, grammar, ...);
+// "logit_bias" is [[token, bias], ...] where a bias of false bans the token.
 strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err);
 void             strata_sampler_free(strata_sampler * s);
 llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx);
 void             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar);
 void             strata_sampler_reset(strata_sampler * s);
 uint32_t         strata_sampler_seed(const strata_sampler * s);
+// The candidates left after the last sample (sorted, probabilities set): writes the first
+// n_max ids and probabilities and the probability of `token` (0 if it is not among them);
+// returns how many were written.
+int32_t          strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
+                                           llama_token * ids, float * probs, int32_t n_max);
 
 // ---- speculative decoding -------------------------------------------------------------------
 

@@ -45,6 +45,20 @@ impl Sampler {
         unsafe { sys::strata_sampler_reset(self.ptr.as_ptr()) }
     }
 
+    /// After `sample`: the probability the sampler chain gave `token`, and its `n_max` most
+    /// likely candidates with theirs (zero-probability ones left out).
+    pub fn candidates(&mut self, token: Token, n_max: usize) -> (f32, Vec<(Token, f32)>) {
+        let mut ids = vec![0 as Token; n_max];
+        let mut probs = vec![0f32; n_max];
+        let mut token_prob = 0f32;
+        // SAFETY: both buffers hold n_max entries; the shim writes at most that many.
+        let n = unsafe {
+            sys::strata_sampler_candidates(self.ptr.as_ptr(), token, &mut token_prob, ids.as_mut_ptr(), probs.as_mut_ptr(), n_max as i32)
+        };
+        let n = (n.max(0) as usize).min(n_max);
+        (token_prob, ids.into_iter().zip(probs).take(n).collect())
+    }
+
     pub fn seed(&self) -> u32 {
         // SAFETY: valid sampler.
         unsafe { sys::strata_sampler_seed(self.ptr.as_ptr()) }

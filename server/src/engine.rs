@@ -42,6 +42,10 @@ pub struct TaskParams {
     pub return_tokens: bool,
     pub ignore_eos: bool,
     pub t_max_predict_ms: i64,
+    /// Report the top n_probs tokens of each step (0 = none).
+    pub n_probs: usize,
+    /// Probabilities after the sampler chain instead of the raw softmax.
+    pub post_sampling_probs: bool,
     /// common_params_sampling overrides (see strata_ffi::Sampler::new).
     pub sampling: Value,
 }
@@ -63,6 +67,15 @@ pub struct Timings {
     pub predicted_ms: f64,
 }
 
+/// One generated token with its probability and the most likely alternatives.
+#[derive(Debug, Clone)]
+pub struct TokenProbs {
+    pub token: Token,
+    pub piece: Vec<u8>,
+    pub prob: f32,
+    pub top: Vec<(Token, Vec<u8>, f32)>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Partial {
     pub index: usize,
@@ -71,6 +84,7 @@ pub struct Partial {
     pub id_slot: usize,
     pub n_decoded: usize,
     pub n_prompt: usize,
+    pub probs: Option<TokenProbs>,
 }
 
 #[derive(Debug, Clone)]
@@ -86,6 +100,8 @@ pub struct Final {
     pub truncated: bool,
     pub has_new_line: bool,
     pub timings: Timings,
+    /// Per-token probabilities (non-streamed answers with n_probs > 0).
+    pub probs: Vec<TokenProbs>,
 }
 
 #[derive(Debug)]
@@ -241,6 +257,7 @@ struct Active {
     sampled: Option<Token>,
     i_batch: Option<i32>,
     tokens: Vec<Token>,
+    probs: Vec<TokenProbs>,
     n_decoded: usize,
     truncated: bool,
     t_prompt: Instant,
@@ -264,6 +281,23 @@ struct Engine<'m> {
     n_ctx_slot: usize,
     n_predict_default: i32,
     pending: VecDeque<Task>,
+}
+
+/// The probability of `token` and the `n` most likely tokens, by softmax over all logits
+/// (llama-server's get_token_probabilities).
+fn softmax_top(logits: &[f32], n: usize, token: Token) -> (f32, Vec<(Token, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    let n = n.min(idx.len());
+    if n > 0 && n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+    }
+    idx.truncate(n);
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let top = idx.iter().map(|&i| (i as Token, (logits[i] - max).exp() / sum)).collect();
+    let prob = logits.get(token as usize).map_or(0.0, |&l| (l - max).exp() / sum);
+    (prob, top)
 }
 
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
@@ -308,13 +342,14 @@ impl<'m> Engine<'m> {
             return;
         }
         if n_prompt >= self.n_ctx_slot {
-            let _ = task.events.send(Event::Error(ApiError::new(
+            let err = ApiError::new(
                 ErrorType::ExceedContextSize,
                 format!(
                     "request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it",
                     self.n_ctx_slot
                 ),
-            )));
+            );
+            let _ = task.events.send(Event::Error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot)));
             return;
         }
         let model = self.ctx.model();
@@ -348,6 +383,7 @@ impl<'m> Engine<'m> {
             sampled: None,
             i_batch: None,
             tokens: Vec::new(),
+            probs: Vec::new(),
             n_decoded: 0,
             truncated: false,
             t_prompt: Instant::now(),
@@ -442,6 +478,16 @@ impl<'m> Engine<'m> {
         a.n_decoded += 1;
         let is_eog = vocab.is_eog(token) && !a.task.params.ignore_eos;
         let piece = vocab.token_to_piece(token, false);
+        let probs = (a.task.params.n_probs > 0).then(|| {
+            let n = a.task.params.n_probs;
+            let (prob, ranked) = if a.task.params.post_sampling_probs {
+                a.sampler.candidates(token, n)
+            } else {
+                softmax_top(self.ctx.logits_ith(i).unwrap_or(&[]), n, token)
+            };
+            let top = ranked.iter().take(n).map(|&(t, p)| (t, vocab.token_to_piece(t, false), p)).collect();
+            TokenProbs { token, piece: piece.clone(), prob, top }
+        });
         let text = a.gen.push(&piece, is_eog);
         a.tokens.push(token);
 
@@ -470,11 +516,15 @@ impl<'m> Engine<'m> {
                 id_slot: id,
                 n_decoded: a.n_decoded,
                 n_prompt,
+                probs: probs.clone(),
             };
             if a.task.events.send(Event::Partial(partial)).is_err() {
                 self.release(id);
                 return;
             }
+        }
+        if let Some(p) = probs {
+            a.probs.push(p);
         }
         if !a.gen.finished() {
             a.sampled = Some(token);
@@ -501,6 +551,7 @@ impl<'m> Engine<'m> {
                 predicted_n: a.n_decoded,
                 predicted_ms,
             },
+            probs: if stream { Vec::new() } else { a.probs },
         };
         let _ = a.task.events.send(Event::Final(Box::new(fin)));
     }

@@ -32,11 +32,13 @@ impl ErrorType {
 pub struct ApiError {
     pub kind: ErrorType,
     pub message: String,
+    /// Fields llama-server adds to some errors (n_prompt_tokens and n_ctx when too long).
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ApiError {
     pub fn new(kind: ErrorType, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into() }
+        Self { kind, message: message.into(), extra: serde_json::Map::new() }
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -47,9 +49,18 @@ impl ApiError {
         Self::new(ErrorType::Server, message)
     }
 
+    pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
+        self.extra.insert(key.to_string(), value.into());
+        self
+    }
+
     pub fn body(&self) -> serde_json::Value {
         let (status, ty) = self.kind.parts();
-        serde_json::json!({"error": {"code": status.as_u16(), "message": self.message, "type": ty}})
+        let mut e = serde_json::json!({"code": status.as_u16(), "message": self.message, "type": ty});
+        for (k, v) in &self.extra {
+            e[k] = v.clone();
+        }
+        serde_json::json!({"error": e})
     }
 }
 

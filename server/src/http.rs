@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::info::{self, origin_is_localhost, ServerInfo};
 use crate::oai;
 
-use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings};
+use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings, TokenProbs};
 use crate::error::{ApiError, ErrorType};
 
 /// Request fields that map onto common_params_sampling fields under another name.
@@ -39,7 +39,7 @@ const SAMPLING_FIELDS: &[&str] = &[
     "seed", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability", "xtc_threshold",
     "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length",
     "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "top_n_sigma", "ignore_eos",
-    "grammar", "grammar_type", "grammar_lazy", "grammar_triggers", "generation_prompt", "logit_bias",
+    "grammar", "grammar_type", "grammar_lazy", "grammar_triggers", "generation_prompt",
 ];
 
 #[derive(Clone)]
@@ -48,10 +48,19 @@ pub struct App {
     pub info: Arc<ServerInfo>,
     /// The model's chat templates, made on first use after loading.
     pub chat: Arc<OnceLock<Result<Arc<ChatTemplates>, String>>>,
+    eog: Arc<OnceLock<Vec<Token>>>,
+}
+
+impl App {
+    /// The model's end-of-generation tokens.
+    pub fn eog(&self, model: &Model) -> Vec<Token> {
+        let v = model.vocab();
+        self.eog.get_or_init(|| (0..v.n_tokens()).filter(|&t| v.is_eog(t)).collect()).clone()
+    }
 }
 
 pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
-    let app = App { engine, info: Arc::new(info), chat: Arc::default() };
+    let app = App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() };
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -176,7 +185,9 @@ fn stop_strings(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-pub fn task_params(body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
+/// The request's fields for one task. `vocab` resolves logit_bias entries given as text, and
+/// `eog` (the model's end-of-generation tokens) is banned when ignore_eos is set, as upstream.
+pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[Token]) -> Result<TaskParams, ApiError> {
     let n_predict = match body.get("n_predict") {
         Some(v) if !v.is_null() => int_field(body, "n_predict", -1)?,
         _ => int_field(body, "max_tokens", -1)?,
@@ -192,6 +203,14 @@ pub fn task_params(body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
             sampling.insert(to.to_string(), v.clone());
         }
     }
+    let ignore_eos = flag(body, "ignore_eos", false);
+    let mut bias = vocab.map(|v| logit_bias(body.get("logit_bias"), v)).unwrap_or_default();
+    if ignore_eos {
+        bias.extend(eog.iter().map(|&t| json!([t, false])));
+    }
+    if !bias.is_empty() {
+        sampling.insert("logit_bias".into(), Value::Array(bias));
+    }
     Ok(TaskParams {
         n_predict: n_predict.clamp(-1, i32::MAX as i64) as i32,
         stop: stop_strings(body)?,
@@ -199,10 +218,60 @@ pub fn task_params(body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
         cache_prompt: flag(body, "cache_prompt", true),
         id_slot: int_field(body, "id_slot", -1)? as i32,
         return_tokens: flag(body, "return_tokens", false),
-        ignore_eos: flag(body, "ignore_eos", false),
+        ignore_eos,
         t_max_predict_ms: int_field(body, "t_max_predict_ms", -1)?,
+        n_probs: match body.get("n_probs") {
+            Some(v) if !v.is_null() => int_field(body, "n_probs", 0)?,
+            _ => body.get("logprobs").and_then(Value::as_i64).unwrap_or(0),
+        }
+        .max(0) as usize,
+        post_sampling_probs: flag(body, "post_sampling_probs", false),
         sampling: Value::Object(sampling),
     })
+}
+
+/// llama-server's logit_bias: [[token or text, bias], ...] or {"token or text": bias}; a bias
+/// of false bans the token; text means each of its tokens; out-of-range ids are dropped.
+fn logit_bias(v: Option<&Value>, vocab: Vocab<'_>) -> Vec<Value> {
+    let n_vocab = vocab.n_tokens();
+    let bias_of = |b: &Value| match b {
+        Value::Number(n) => n.as_f64().map(|f| json!(f)),
+        Value::Bool(false) => Some(json!(false)),
+        _ => None,
+    };
+    let mut out = Vec::new();
+    let mut add = |key: &Value, b: &Value| {
+        let Some(b) = bias_of(b) else { return };
+        let tokens = match key {
+            Value::Number(n) => n.as_i64().map(|t| vec![t as Token]).unwrap_or_default(),
+            Value::String(s) => match s.parse::<Token>() {
+                Ok(t) => vec![t],
+                Err(_) => vocab.tokenize(s, false, false).unwrap_or_default(),
+            },
+            _ => Vec::new(),
+        };
+        for t in tokens.into_iter().filter(|&t| (0..n_vocab).contains(&t)) {
+            out.push(json!([t, b.clone()]));
+        }
+    };
+    match v {
+        Some(Value::Array(items)) => {
+            for el in items {
+                if let Some([k, b]) = el.as_array().map(Vec::as_slice) {
+                    if k.is_string() || k.is_i64() {
+                        add(k, b);
+                    }
+                }
+            }
+        }
+        Some(Value::Object(m)) => {
+            for (k, b) in m {
+                add(&Value::String(k.clone()), b);
+            }
+        }
+        _ => {}
+    }
+    out
 }
 
 fn per_second(n: usize, ms: f64) -> f64 {
@@ -227,7 +296,41 @@ pub fn timings_json(t: &Timings) -> Value {
     })
 }
 
-fn partial_json(p: &Partial) -> Value {
+/// llama-server's completion_probabilities entries.
+pub fn probs_json(probs: &[TokenProbs], post_sampling: bool) -> Value {
+    let (p_key, top_key) = if post_sampling { ("prob", "top_probs") } else { ("logprob", "top_logprobs") };
+    let value = |p: f32| if post_sampling { p } else if p == 0.0 { f32::MIN } else { p.ln() };
+    let text = |b: &[u8]| String::from_utf8_lossy(&b[..crate::generation::complete_utf8_len(b)]).into_owned();
+    let entry = |t: Token, b: &[u8], p: f32| {
+        let mut m = Map::new();
+        m.insert("id".into(), json!(t));
+        m.insert("token".into(), json!(text(b)));
+        m.insert("bytes".into(), json!(b));
+        m.insert(p_key.into(), json!(value(p)));
+        m
+    };
+    Value::Array(
+        probs
+            .iter()
+            .map(|tp| {
+                let mut m = entry(tp.token, &tp.piece, tp.prob);
+                let top: Vec<Value> = tp.top.iter().map(|(t, b, p)| Value::Object(entry(*t, b, *p))).collect();
+                m.insert(top_key.into(), Value::Array(top));
+                Value::Object(m)
+            })
+            .collect(),
+    )
+}
+
+fn partial_json(p: &Partial, post_sampling: bool) -> Value {
+    let mut v = partial_json_base(p);
+    if let Some(tp) = &p.probs {
+        v["completion_probabilities"] = probs_json(std::slice::from_ref(tp), post_sampling);
+    }
+    v
+}
+
+fn partial_json_base(p: &Partial) -> Value {
     json!({
         "index": p.index,
         "content": p.content,
@@ -239,7 +342,75 @@ fn partial_json(p: &Partial) -> Value {
     })
 }
 
-fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
+/// (name in llama-server's generation_settings, name in common_params_sampling)
+const SETTINGS: &[(&str, &str)] = &[
+    ("seed", "seed"),
+    ("temperature", "temp"),
+    ("dynatemp_range", "dynatemp_range"),
+    ("dynatemp_exponent", "dynatemp_exponent"),
+    ("top_k", "top_k"),
+    ("top_p", "top_p"),
+    ("min_p", "min_p"),
+    ("top_n_sigma", "top_n_sigma"),
+    ("xtc_probability", "xtc_probability"),
+    ("xtc_threshold", "xtc_threshold"),
+    ("typical_p", "typ_p"),
+    ("repeat_last_n", "penalty_last_n"),
+    ("repeat_penalty", "penalty_repeat"),
+    ("presence_penalty", "penalty_present"),
+    ("frequency_penalty", "penalty_freq"),
+    ("dry_multiplier", "dry_multiplier"),
+    ("dry_base", "dry_base"),
+    ("dry_allowed_length", "dry_allowed_length"),
+    ("dry_penalty_last_n", "dry_penalty_last_n"),
+    ("mirostat", "mirostat"),
+    ("mirostat_tau", "mirostat_tau"),
+    ("mirostat_eta", "mirostat_eta"),
+    ("adaptive_target", "adaptive_target"),
+    ("adaptive_decay", "adaptive_decay"),
+];
+
+/// llama-server's generation_settings: the server's sampling defaults with this request's
+/// overrides, under the names llama-server reports.
+pub fn generation_settings(defaults: &Value, p: &TaskParams) -> Value {
+    let mut out = Map::new();
+    for &(name, field) in SETTINGS {
+        let v = p.sampling.get(field).or_else(|| defaults.get(field)).cloned().unwrap_or(Value::Null);
+        out.insert(name.into(), v);
+    }
+    for (k, v) in [
+        ("max_tokens", json!(p.n_predict)),
+        ("n_predict", json!(p.n_predict)),
+        ("n_keep", json!(0)),
+        ("n_discard", json!(0)),
+        ("ignore_eos", json!(p.ignore_eos)),
+        ("stream", json!(p.stream)),
+        ("n_probs", json!(p.n_probs)),
+        ("min_keep", p.sampling.get("min_keep").or_else(|| defaults.get("min_keep")).cloned().unwrap_or(json!(0))),
+        ("post_sampling_probs", json!(p.post_sampling_probs)),
+    ] {
+        out.insert(k.into(), v);
+    }
+    Value::Object(out)
+}
+
+/// Keeps only the named fields ("a/b" reaches into objects), keyed by their paths, as
+/// llama-server's response_fields.
+fn select_fields(v: Value, fields: &[String]) -> Value {
+    if fields.is_empty() {
+        return v;
+    }
+    let mut out = Map::new();
+    for f in fields {
+        let found = f.split('/').try_fold(&v, |cur, k| cur.get(k));
+        if let Some(x) = found {
+            out.insert(f.clone(), x.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+pub fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
     json!({
         "index": f.index,
         "content": f.content,
@@ -249,6 +420,7 @@ fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
         "model": model,
         "tokens_predicted": f.n_decoded,
         "tokens_evaluated": f.n_prompt,
+        "generation_settings": Value::Null,
         "prompt": prompt,
         "has_new_line": f.has_new_line,
         "truncated": f.truncated,
@@ -257,6 +429,14 @@ fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
         "tokens_cached": f.n_prompt + f.n_decoded.saturating_sub(1),
         "timings": timings_json(&f.timings),
     })
+}
+
+fn final_json_with_probs(f: &Final, model: &str, prompt: &str, post_sampling: bool) -> Value {
+    let mut v = final_json(f, model, prompt);
+    if !f.probs.is_empty() {
+        v["completion_probabilities"] = probs_json(&f.probs, post_sampling);
+    }
+    v
 }
 
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
@@ -346,21 +526,33 @@ pub fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Toke
     Ok(prompts)
 }
 
-async fn completion(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
+async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
+    let engine = &app.engine;
     let body = parse_body(&body)?;
     let model = loaded_model(&engine)?;
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
     let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
-    let params = task_params(&body)?;
+    let params = task_params(&body, Some(model.vocab()), &app.eog(&model))?;
     let stream = params.stream;
     let n = prompts.len();
     let alias = engine.model_alias().to_string();
     let rx = engine.submit(prompts.clone(), params.clone())?;
+    let post = params.post_sampling_probs;
+    let settings = generation_settings(&app.info.sampling, &params);
+    let fields: Vec<String> = body
+        .get("response_fields")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(|f| f.as_str().map(String::from)).collect())
+        .unwrap_or_default();
     let render = move |ev: &Event| match ev {
-        Event::Partial(p) => vec![partial_json(p)],
-        // The prompt text is only in non-streamed answers, as llama-server does.
-        Event::Final(f) if params.stream => vec![final_json(f, &alias, "")],
-        Event::Final(f) => vec![final_json(f, &alias, &model.vocab().detokenize(&prompts[f.index], false, true))],
+        Event::Partial(p) => vec![partial_json(p, post)],
+        Event::Final(f) => {
+            // The prompt text is only in non-streamed answers, as llama-server does.
+            let prompt = if stream { String::new() } else { model.vocab().detokenize(&prompts[f.index], false, true) };
+            let mut v = final_json_with_probs(f, &alias, &prompt, post);
+            v["generation_settings"] = settings.clone();
+            vec![select_fields(v, &fields)]
+        }
         Event::Error(e) => vec![e.body()],
     };
     if stream {
@@ -523,6 +715,7 @@ mod tests {
                     truncated: false,
                     has_new_line: false,
                     timings: Timings::default(),
+                    probs: Vec::new(),
                 };
                 let _ = task.events.send(Event::Final(Box::new(fin)));
             }
@@ -577,15 +770,15 @@ mod tests {
     #[test]
     fn request_fields_become_task_params() {
         let body = json!({"prompt": "x", "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.1, "max_tokens": 7, "stop": "END", "stream": true});
-        let p = task_params(body.as_object().unwrap()).unwrap();
+        let p = task_params(body.as_object().unwrap(), None, &[]).unwrap();
         assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.1}));
         assert_eq!(p.n_predict, 7);
         assert_eq!(p.stop, ["END"]);
         assert!(p.stream && p.cache_prompt);
         let bad = json!({"n_predict": "many"});
-        assert_eq!(task_params(bad.as_object().unwrap()).unwrap_err().kind, ErrorType::InvalidRequest);
+        assert_eq!(task_params(bad.as_object().unwrap(), None, &[]).unwrap_err().kind, ErrorType::InvalidRequest);
         let bad = json!({"stop": 3});
-        assert!(task_params(bad.as_object().unwrap()).is_err());
+        assert!(task_params(bad.as_object().unwrap(), None, &[]).is_err());
     }
 
     async fn call_with(app: Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {

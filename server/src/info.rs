@@ -28,6 +28,8 @@ pub struct ServerInfo {
     pub chat_template: String,
     pub reasoning_format: String,
     pub enable_reasoning: i64,
+    /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
+    pub verbose: bool,
 }
 
 fn strings(v: &Value) -> Vec<String> {
@@ -58,6 +60,7 @@ impl ServerInfo {
             chat_template: s("chat_template"),
             reasoning_format: s("reasoning_format"),
             enable_reasoning: cfg["enable_reasoning"].as_i64().unwrap_or(-1),
+            verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
         }
     }
 }

@@ -14,7 +14,7 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
 use crate::generation::StopType;
-use crate::http::{collect, loaded_model, parse_body, stream_response, task_params, timings_json, tokenize_prompts, App};
+use crate::http::{collect, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json, tokenize_prompts, App};
 
 const ALNUM: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
@@ -45,6 +45,16 @@ fn finish_reason(f: &Final, has_tool_calls: bool) -> &'static str {
         StopType::Word | StopType::Eos => "stop",
         _ => "length",
     }
+}
+
+/// Adds llama-server's debugging `__verbose` (the /completion answer) when asked, then the
+/// timings, in upstream's order.
+fn with_verbose(verbose: bool, f: &Final, model: &str, mut v: Value) -> Value {
+    if verbose {
+        v["__verbose"] = final_json(f, model, "");
+    }
+    v["timings"] = timings_json(&f.timings);
+    v
 }
 
 fn usage(f: &Final) -> Value {
@@ -84,12 +94,14 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
     }
     oai_common(&mut body)?;
     let prompts = tokenize_prompts(model.vocab(), &prompt)?;
-    let params = task_params(&body)?;
+    let params = task_params(&body, Some(model.vocab()), &app.eog(&model))?;
     let n = prompts.len();
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
     let rx = app.engine.submit(prompts, params.clone())?;
+    let post = params.post_sampling_probs;
+    let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let render = move |ev: &Event| -> Vec<Value> {
         match ev {
             Event::Partial(p) => vec![json!({
@@ -100,16 +112,20 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
                 "object": "text_completion",
                 "id": id,
             })],
-            Event::Final(f) => vec![json!({
-                "choices": [{"text": f.content, "index": f.index, "logprobs": null, "finish_reason": finish_reason(f, false)}],
+            Event::Final(f) => vec![with_verbose(verbose, f, &alias, json!({
+                "choices": [{
+                    "text": f.content,
+                    "index": f.index,
+                    "logprobs": if f.probs.is_empty() { Value::Null } else { json!({"content": probs_json(&f.probs, post)}) },
+                    "finish_reason": finish_reason(f, false),
+                }],
                 "created": now(),
                 "model": alias,
                 "system_fingerprint": fingerprint,
                 "object": "text_completion",
                 "usage": usage(f),
                 "id": id,
-                "timings": timings_json(&f.timings),
-            })],
+            }))],
             Event::Error(e) => vec![e.body()],
         }
     };
@@ -202,6 +218,16 @@ fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> R
     if has_tools && tool_choice != "none" && body.contains_key("grammar") {
         return Err(ApiError::invalid("Cannot use custom grammar constraints with tools."));
     }
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let mut n_probs = None;
+    if body.get("logprobs").and_then(Value::as_bool).unwrap_or(false) {
+        if has_tools && stream {
+            return Err(ApiError::invalid("logprobs is not supported with tools + stream"));
+        }
+        n_probs = Some(body.get("top_logprobs").and_then(Value::as_i64).unwrap_or(20));
+    } else if body.get("top_logprobs").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid("top_logprobs requires logprobs to be set to true"));
+    }
     let reasoning_format = body.get("reasoning_format").and_then(Value::as_str).unwrap_or(&info.reasoning_format).to_string();
     let mut kwargs = body.get("chat_template_kwargs").cloned().unwrap_or(json!({}));
     let mut enable_thinking = info.enable_reasoning != 0;
@@ -239,6 +265,9 @@ fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> R
     let applied = chat_templates(app, model)?.apply(&inputs).map_err(|e| ApiError::invalid(e.to_string()))?;
 
     let mut task_body = body.clone();
+    if let Some(n) = n_probs {
+        task_body.insert("n_probs".into(), json!(n));
+    }
     if let Some(g) = applied["grammar"].as_str().filter(|g| !g.is_empty()) {
         task_body.insert("grammar".into(), json!(g));
         task_body.insert("grammar_type".into(), json!(3));
@@ -280,10 +309,11 @@ fn fill_tool_call_ids(msg: &mut Value, ids: &mut Vec<String>) {
 pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
+    let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let chat = chat_prompt(&app, &model, body)?;
     let prompts = tokenize_prompts(model.vocab(), &json!(chat.prompt))?;
-    let params = task_params(&chat.task_body)?;
+    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model))?;
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
@@ -299,6 +329,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
         }
     };
     if params.stream {
+        let post_stream = params.post_sampling_probs;
         let mut text = String::new();
         let mut prev = json!({});
         let mut ids = Vec::new();
@@ -315,6 +346,9 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     fill_tool_call_ids(&mut msg, &mut ids);
                     out.extend(chat_msg_diffs(&prev, &msg).unwrap_or_default().into_iter().map(delta));
                     prev = msg;
+                    if let (Some(last), Some(tp)) = (out.last_mut(), &p.probs) {
+                        last["choices"][0]["logprobs"] = json!({"content": probs_json(std::slice::from_ref(tp), post_stream)});
+                    }
                     out
                 }
                 Event::Final(f) => {
@@ -338,21 +372,26 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
         };
         return stream_response(rx, 1, render, Some("data: [DONE]\n\n")).await;
     }
+    let post = params.post_sampling_probs;
+    let verbose = verbose;
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };
         let mut msg = parse(&f.content, false);
         fill_tool_call_ids(&mut msg, &mut Vec::new());
         let has_calls = msg.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
-        vec![json!({
-            "choices": [{"finish_reason": finish_reason(f, has_calls), "index": 0, "message": msg}],
+        let mut choice = json!({"finish_reason": finish_reason(f, has_calls), "index": 0, "message": msg});
+        if !f.probs.is_empty() {
+            choice["logprobs"] = json!({"content": probs_json(&f.probs, post)});
+        }
+        vec![with_verbose(verbose, f, &alias, json!({
+            "choices": [choice],
             "created": now(),
             "model": alias,
             "system_fingerprint": fingerprint,
             "object": "chat.completion",
             "usage": usage(f),
             "id": id,
-            "timings": timings_json(&f.timings),
-        })]
+        }))]
     };
     collect(rx, 1, render).await
 }
