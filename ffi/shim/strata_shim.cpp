@@ -82,6 +82,10 @@ void strata_common_init(void) {
     common_init();
 }
 
+void strata_log_info(const char * text) {
+    LOG_INF("%s", text);
+}
+
 // ---- arguments ------------------------------------------------------------------------------
 
 strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage) {

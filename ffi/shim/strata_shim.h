@@ -22,6 +22,9 @@ void strata_stdio_flush(void);
 // common_init(): llama.cpp's logger, build info line.
 void strata_common_init(void);
 
+// One INFO line through llama.cpp's logger (its prefix, timestamps and verbosity filter).
+void strata_log_info(const char * text);
+
 // ---- arguments ------------------------------------------------------------------------------
 
 typedef struct strata_params strata_params;

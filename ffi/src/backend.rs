@@ -74,3 +74,10 @@ pub fn flush_c_stdio() {
     // SAFETY: fflush(NULL) has no preconditions.
     unsafe { sys::strata_stdio_flush() }
 }
+
+/// Writes one INFO line through llama.cpp's logger, so it reads like llama-server's own.
+pub fn log_info(line: &str) {
+    let Ok(c) = std::ffi::CString::new(line) else { return };
+    // SAFETY: a valid NUL-terminated string for the duration of the call.
+    unsafe { sys::strata_log_info(c.as_ptr()) }
+}

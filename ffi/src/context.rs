@@ -108,6 +108,12 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.ptr.as_ptr()), seq, p0, p1) }
     }
 
+    /// How many compute graphs were reused instead of rebuilt (llama_perf_context).
+    pub fn graphs_reused(&self) -> i32 {
+        // SAFETY: valid context; returns a plain struct.
+        unsafe { sys::llama_perf_context(self.ptr.as_ptr()) }.n_reused
+    }
+
     /// Greedy argmax over the logits of output i.
     pub fn argmax(&mut self, i: i32) -> Option<Token> {
         let logits = self.logits_ith(i)?;

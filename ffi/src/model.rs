@@ -79,6 +79,12 @@ impl Model {
         unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }
     }
 
+    /// Sliding-window attention size (0 for models without SWA).
+    pub fn n_swa(&self) -> i32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_swa(self.as_ptr()) }
+    }
+
     pub fn n_params(&self) -> u64 {
         // SAFETY: valid model.
         unsafe { sys::llama_model_n_params(self.as_ptr()) }

@@ -51,6 +51,8 @@ pub struct TaskParams {
 }
 
 pub struct Task {
+    /// llama-server's task id, as its log lines show it.
+    pub id: u64,
     /// Position of this prompt in a multi-prompt request.
     pub index: usize,
     pub prompt: Vec<Token>,
@@ -119,6 +121,7 @@ pub struct EngineHandle {
     model: Arc<OnceLock<Arc<Model>>>,
     model_alias: Arc<str>,
     n_ctx_slot: Arc<OnceLock<usize>>,
+    next_task_id: Arc<std::sync::atomic::AtomicU64>,
     /// Whether each slot is processing a task, as of the engine's last step.
     busy: watch::Receiver<Vec<bool>>,
 }
@@ -153,7 +156,8 @@ impl EngineHandle {
     pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
         for (index, prompt) in prompts.into_iter().enumerate() {
-            let task = Task { index, prompt, params: params.clone(), events: events.clone() };
+            let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let task = Task { id, index, prompt, params: params.clone(), events: events.clone() };
             self.tx.try_send(task).map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
                 mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
@@ -166,7 +170,7 @@ impl EngineHandle {
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Task>, state: watch::Receiver<State>) -> Self {
         let (_, busy) = watch::channel(Vec::new());
-        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), busy }
+        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), busy }
     }
 }
 
@@ -192,7 +196,7 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, busy }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), busy }
 }
 
 /// What the engine publishes for handlers.
@@ -300,6 +304,20 @@ fn softmax_top(logits: &[f32], n: usize, token: Token) -> (f32, Vec<(Token, f32)
     (prob, top)
 }
 
+/// A slot log line in llama-server's format: `slot <func>: id <slot> | task <task> | <msg>`.
+fn slot_log(func: &str, slot: usize, task: u64, msg: &str) {
+    let func = &func[..func.len().min(12)];
+    strata_ffi::log_info(&format!("slot {func:>12}: id {slot:2} | task {task} | {msg}\n"));
+}
+
+fn per_token_ms(ms: f64, n: usize) -> f64 {
+    if n > 0 { ms / n as f64 } else { 0.0 }
+}
+
+fn per_second(ms: f64, n: usize) -> f64 {
+    if ms > 0.0 { 1e3 / ms * n as f64 } else { 0.0 }
+}
+
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -361,7 +379,10 @@ impl<'m> Engine<'m> {
             }
         };
         let slot = &mut self.slots[id];
-        let mut keep = if task.params.cache_prompt { common_prefix(&slot.cache, &task.prompt) } else { 0 };
+        // A sliding-window KV cache cannot be cut back safely without llama-server's context
+        // checkpoints, which are not implemented yet: such models reprocess the whole prompt.
+        let reusable = task.params.cache_prompt && model.n_swa() == 0;
+        let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
         // At least one prompt token must be decoded to get logits for the first sample.
         keep = keep.min(n_prompt - 1);
         if !self.ctx.seq_rm(id as i32, keep as i32, -1) {
@@ -395,7 +416,24 @@ impl<'m> Engine<'m> {
     fn release(&mut self, id: usize) -> Option<Active> {
         let slot = &mut self.slots[id];
         slot.last_used = Instant::now();
-        slot.active.take()
+        let a = slot.active.take()?;
+        let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);
+        slot_log("release", id, a.task.id, &msg);
+        Some(a)
+    }
+
+    /// The timing lines llama-server prints when a request completes (never for a cancelled one).
+    fn print_timings(&self, id: usize, t: &Timings, task: u64) {
+        let (pp, pn, gp, gn) = (t.prompt_ms, t.prompt_n, t.predicted_ms, t.predicted_n);
+        let lines = [
+            format!("prompt eval time = {pp:10.2} ms / {pn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)", per_token_ms(pp, pn), per_second(pp, pn)),
+            format!("       eval time = {gp:10.2} ms / {gn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)", per_token_ms(gp, gn), per_second(gp, gn)),
+            format!("      total time = {:10.2} ms / {:5} tokens", pp + gp, pn + gn),
+            format!("   graphs reused = {:10}", self.ctx.graphs_reused()),
+        ];
+        for l in lines {
+            slot_log("print_timings", id, task, &l);
+        }
     }
 
     /// One batch: admit, build, decode, sample. Returns whether anything was decoded.
@@ -530,8 +568,17 @@ impl<'m> Engine<'m> {
             a.sampled = Some(token);
             return;
         }
-        let a = self.release(id).unwrap();
         let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        let timings = Timings {
+            cache_n: a.n_cached,
+            prompt_n: a.task.prompt.len() - a.n_cached,
+            prompt_ms: a.prompt_ms,
+            predicted_n: a.n_decoded,
+            predicted_ms,
+        };
+        let task_id = a.task.id;
+        self.print_timings(id, &timings, task_id);
+        let a = self.release(id).unwrap();
         let stream = a.task.params.stream;
         let fin = Final {
             index: a.task.index,
@@ -544,15 +591,34 @@ impl<'m> Engine<'m> {
             stopping_word: a.gen.stopping_word.clone(),
             truncated: a.truncated,
             has_new_line: a.gen.has_new_line,
-            timings: Timings {
-                cache_n: a.n_cached,
-                prompt_n: n_prompt - a.n_cached,
-                prompt_ms: a.prompt_ms,
-                predicted_n: a.n_decoded,
-                predicted_ms,
-            },
+            timings,
             probs: if stream { Vec::new() } else { a.probs },
         };
         let _ = a.task.events.send(Event::Final(Box::new(fin)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_top_ranks_and_normalises() {
+        let logits = [1.0f32, 3.0, 2.0, 0.0];
+        let (p, top) = softmax_top(&logits, 2, 3);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 2]);
+        let sum: f32 = logits.iter().map(|l| l.exp()).sum();
+        assert!((top[0].1 - 3f32.exp() / sum).abs() < 1e-6);
+        assert!((p - 1.0 / sum).abs() < 1e-6, "the sampled token's probability even outside the top");
+        let (_, all) = softmax_top(&logits, 10, 0);
+        assert_eq!(all.len(), 4);
+        assert!((all.iter().map(|t| t.1).sum::<f32>() - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn common_prefix_counts_equal_leading_tokens() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[5, 6], &[5, 6]), 2);
     }
 }

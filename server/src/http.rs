@@ -561,12 +561,12 @@ async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
     collect(rx, n, render).await
 }
 
-/// Waits for every task's final event and answers with its JSON (an array for several).
-pub async fn collect(
+/// Waits for every task's final event and returns their rendered JSON, in prompt order.
+pub async fn collect_values(
     mut rx: mpsc::UnboundedReceiver<Event>,
     n: usize,
     mut render: impl FnMut(&Event) -> Vec<Value>,
-) -> Result<Response, ApiError> {
+) -> Result<Vec<Value>, ApiError> {
     let mut results: Vec<Option<Value>> = vec![None; n];
     while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
@@ -578,7 +578,12 @@ pub async fn collect(
             }
         }
     }
-    let mut results: Vec<Value> = results.into_iter().flatten().collect();
+    Ok(results.into_iter().flatten().collect())
+}
+
+/// The answer for one prompt, or an array for several, as llama-server gives them.
+pub async fn collect(rx: mpsc::UnboundedReceiver<Event>, n: usize, render: impl FnMut(&Event) -> Vec<Value>) -> Result<Response, ApiError> {
+    let mut results = collect_values(rx, n, render).await?;
     Ok(Json(if n == 1 { results.remove(0) } else { Value::Array(results) }).into_response())
 }
 

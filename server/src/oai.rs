@@ -6,7 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State as AxState;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
@@ -14,7 +14,7 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
 use crate::generation::StopType;
-use crate::http::{collect, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json, tokenize_prompts, App};
+use crate::http::{collect, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json, tokenize_prompts, App};
 
 const ALNUM: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
@@ -311,13 +311,14 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     let model = loaded_model(&app.engine)?;
     let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let n_choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
     let chat = chat_prompt(&app, &model, body)?;
-    let prompts = tokenize_prompts(model.vocab(), &json!(chat.prompt))?;
+    let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
     let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model))?;
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
-    let rx = app.engine.submit(prompts, params.clone())?;
+    let rx = app.engine.submit(vec![prompt; n_choices], params.clone())?;
     let parser = chat.parser;
     let parse = move |text: &str, partial: bool| -> Value {
         parse_chat_message(text, partial, &parser).unwrap_or_else(|_| json!({"role": "assistant", "content": text}))
@@ -328,35 +329,43 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
             json!({"choices": choices, "created": now(), "id": id, "model": alias, "system_fingerprint": fingerprint, "object": "chat.completion.chunk"})
         }
     };
+    let post = params.post_sampling_probs;
     if params.stream {
-        let post_stream = params.post_sampling_probs;
-        let mut text = String::new();
-        let mut prev = json!({});
-        let mut ids = Vec::new();
+        /// Per choice: the text so far, the message last sent, the tool call ids given out.
+        #[derive(Default)]
+        struct Choice {
+            text: String,
+            prev: Value,
+            ids: Vec<String>,
+        }
+        let mut choices: Vec<Choice> = (0..n_choices).map(|_| Choice { prev: json!({}), ..Default::default() }).collect();
         let render = move |ev: &Event| -> Vec<Value> {
-            let delta = |d: Value| chunk(json!([{"finish_reason": null, "index": 0, "delta": d}]));
+            let delta = |index: usize, d: Value| chunk(json!([{"finish_reason": null, "index": index, "delta": d}]));
             match ev {
                 Event::Partial(p) => {
+                    let c = &mut choices[p.index];
                     let mut out = Vec::new();
                     if p.n_decoded == 1 {
-                        out.push(delta(json!({"role": "assistant", "content": null})));
+                        out.push(delta(p.index, json!({"role": "assistant", "content": null})));
                     }
-                    text.push_str(&p.content);
-                    let mut msg = parse(&text, true);
-                    fill_tool_call_ids(&mut msg, &mut ids);
-                    out.extend(chat_msg_diffs(&prev, &msg).unwrap_or_default().into_iter().map(delta));
-                    prev = msg;
+                    c.text.push_str(&p.content);
+                    let mut msg = parse(&c.text, true);
+                    fill_tool_call_ids(&mut msg, &mut c.ids);
+                    out.extend(chat_msg_diffs(&c.prev, &msg).unwrap_or_default().into_iter().map(|d| delta(p.index, d)));
+                    c.prev = msg;
                     if let (Some(last), Some(tp)) = (out.last_mut(), &p.probs) {
-                        last["choices"][0]["logprobs"] = json!({"content": probs_json(std::slice::from_ref(tp), post_stream)});
+                        last["choices"][0]["logprobs"] = json!({"content": probs_json(std::slice::from_ref(tp), post)});
                     }
                     out
                 }
                 Event::Final(f) => {
-                    let mut msg = parse(&text, false);
-                    fill_tool_call_ids(&mut msg, &mut ids);
-                    let mut out: Vec<Value> = chat_msg_diffs(&prev, &msg).unwrap_or_default().into_iter().map(delta).collect();
+                    let c = &mut choices[f.index];
+                    let mut msg = parse(&c.text, false);
+                    fill_tool_call_ids(&mut msg, &mut c.ids);
+                    let mut out: Vec<Value> =
+                        chat_msg_diffs(&c.prev, &msg).unwrap_or_default().into_iter().map(|d| delta(f.index, d)).collect();
                     let has_calls = msg.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
-                    out.push(chunk(json!([{"finish_reason": finish_reason(f, has_calls), "index": 0, "delta": {}}])));
+                    out.push(chunk(json!([{"finish_reason": finish_reason(f, has_calls), "index": f.index, "delta": {}}])));
                     if include_usage {
                         let mut u = chunk(json!([]));
                         u["usage"] = usage(f);
@@ -370,20 +379,19 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                 Event::Error(e) => vec![e.body()],
             }
         };
-        return stream_response(rx, 1, render, Some("data: [DONE]\n\n")).await;
+        return stream_response(rx, n_choices, render, Some("data: [DONE]\n\n")).await;
     }
-    let post = params.post_sampling_probs;
-    let verbose = verbose;
+    let prompt_text = chat.prompt;
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };
         let mut msg = parse(&f.content, false);
         fill_tool_call_ids(&mut msg, &mut Vec::new());
         let has_calls = msg.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
-        let mut choice = json!({"finish_reason": finish_reason(f, has_calls), "index": 0, "message": msg});
+        let mut choice = json!({"finish_reason": finish_reason(f, has_calls), "index": f.index, "message": msg});
         if !f.probs.is_empty() {
             choice["logprobs"] = json!({"content": probs_json(&f.probs, post)});
         }
-        vec![with_verbose(verbose, f, &alias, json!({
+        let mut res = json!({
             "choices": [choice],
             "created": now(),
             "model": alias,
@@ -391,7 +399,22 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
             "object": "chat.completion",
             "usage": usage(f),
             "id": id,
-        }))]
+        });
+        if verbose {
+            res["__verbose"] = final_json(f, &alias, &prompt_text);
+        }
+        res["timings"] = timings_json(&f.timings);
+        vec![res]
     };
-    collect(rx, 1, render).await
+    let mut parts = collect_values(rx, n_choices, render).await?;
+    let mut merged = parts.remove(0);
+    // Several choices are one answer: their choices in order, completion tokens summed.
+    for p in parts {
+        let add = p["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        merged["choices"].as_array_mut().unwrap().push(p["choices"][0].clone());
+        for k in ["completion_tokens", "total_tokens"] {
+            merged["usage"][k] = json!(merged["usage"][k].as_u64().unwrap_or(0) + add);
+        }
+    }
+    Ok(Json(merged).into_response())
 }

@@ -51,7 +51,8 @@ fn a_stop_string_ends_generation_before_it() {
 
 #[test]
 fn a_repeated_prompt_reuses_the_slot_cache() {
-    let server = gemma(&["-np", "1"]);
+    let m = model("tiny-qwen3moe.gguf");
+    let server = Server::start(&["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1"], &[]);
     let req = greedy("Once upon a time, in a quiet village by the sea, there lived", 4);
     let (_, first) = server.post("/completion", &req);
     let (_, second) = server.post("/completion", &req);
@@ -64,6 +65,19 @@ fn a_repeated_prompt_reuses_the_slot_cache() {
     nocache["cache_prompt"] = json!(false);
     let (_, third) = server.post("/completion", &nocache);
     assert_eq!(third["timings"]["cache_n"], 0);
+    assert_eq!(third["tokens"], first["tokens"]);
+}
+
+/// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
+/// reprocessed, and a repeated request gives the same tokens.
+#[test]
+fn a_sliding_window_model_reprocesses_and_stays_consistent() {
+    let server = gemma(&["-np", "1"]);
+    let req = greedy("Once upon a time, in a quiet village by the sea, there lived", 8);
+    let (_, first) = server.post("/completion", &req);
+    let (_, second) = server.post("/completion", &req);
+    assert_eq!(second["timings"]["cache_n"], 0);
+    assert_eq!(first["tokens"], second["tokens"]);
 }
 
 #[test]
@@ -96,4 +110,37 @@ fn a_client_that_disconnects_frees_its_slot() {
     let (status, body) = server.post("/completion", &greedy("Hello", 4));
     assert_eq!(status, 200, "the only slot must be free again: {body}");
     assert_eq!(body["tokens_predicted"], 4);
+}
+
+#[test]
+fn chat_completions_stream_and_choices() {
+    let server = gemma(&["-np", "2"]);
+    let msgs = json!([{"role": "user", "content": "Name a colour."}]);
+    let req = json!({"messages": msgs, "max_tokens": 8, "temperature": 0.0, "logprobs": true, "top_logprobs": 3});
+    let (status, whole) = server.post("/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    let text = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let lp = &whole["choices"][0]["logprobs"]["content"];
+    assert_eq!(lp.as_array().unwrap().len(), 8, "{whole}");
+    assert_eq!(lp[0]["top_logprobs"].as_array().unwrap().len(), 3);
+
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    sreq["stream_options"] = json!({"include_usage": true});
+    let chunks = server.post_stream("/v1/chat/completions", &sreq);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, text);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 8);
+
+    let mut nreq = req.clone();
+    nreq["n"] = json!(2);
+    let (_, two) = server.post("/v1/chat/completions", &nreq);
+    let choices = two["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[1]["index"], 1);
+    assert_eq!(choices[0]["message"]["content"], choices[1]["message"]["content"], "greedy choices agree");
 }

@@ -128,7 +128,7 @@ impl Server {
         BufReader::new(res.into_reader())
             .lines()
             .map_while(Result::ok)
-            .filter_map(|l| l.strip_prefix("data: ").map(|d| serde_json::from_str(d).expect("SSE JSON")))
+            .filter_map(|l| l.strip_prefix("data: ").filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("SSE JSON")))
             .collect()
     }
 }
