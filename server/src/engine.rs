@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::{ApiError, ErrorType};
 use crate::generation::{Generation, StopType};
+use crate::metrics::Metrics;
 
 /// Requests waiting for the engine; beyond this, handlers answer 503 at once.
 pub const QUEUE_DEPTH: usize = 64;
@@ -122,6 +123,7 @@ pub struct EngineHandle {
     model_alias: Arc<str>,
     n_ctx_slot: Arc<OnceLock<usize>>,
     next_task_id: Arc<std::sync::atomic::AtomicU64>,
+    metrics: Arc<std::sync::Mutex<Metrics>>,
     /// Whether each slot is processing a task, as of the engine's last step.
     busy: watch::Receiver<Vec<bool>>,
 }
@@ -137,6 +139,10 @@ impl EngineHandle {
 
     pub fn n_ctx_slot(&self) -> usize {
         self.n_ctx_slot.get().copied().unwrap_or(0)
+    }
+
+    pub fn metrics(&self) -> Arc<std::sync::Mutex<Metrics>> {
+        self.metrics.clone()
     }
 
     pub fn slots_busy(&self) -> Vec<bool> {
@@ -170,7 +176,7 @@ impl EngineHandle {
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Task>, state: watch::Receiver<State>) -> Self {
         let (_, busy) = watch::channel(Vec::new());
-        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), busy }
+        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), metrics: Arc::default(), busy }
     }
 }
 
@@ -190,13 +196,14 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let model = Arc::new(OnceLock::new());
     let n_ctx_slot = Arc::new(OnceLock::new());
     let (busy_tx, busy) = watch::channel(vec![false; cfg.n_parallel.max(1)]);
-    let shared = Shared { model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx };
+    let metrics: Arc<std::sync::Mutex<Metrics>> = Arc::default();
+    let shared = Shared { model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx, metrics: metrics.clone() };
     let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), busy }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy }
 }
 
 /// What the engine publishes for handlers.
@@ -204,6 +211,7 @@ struct Shared {
     model: Arc<OnceLock<Arc<Model>>>,
     n_ctx_slot: Arc<OnceLock<usize>>,
     busy: watch::Sender<Vec<bool>>,
+    metrics: Arc<std::sync::Mutex<Metrics>>,
 }
 
 fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender<State>, shared: &Shared) {
@@ -223,7 +231,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender
             return;
         }
     };
-    let mut engine = Engine::new(ctx, &cfg);
+    let mut engine = Engine::new(ctx, &cfg, shared.metrics.clone());
     let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
     let _ = shared.model.set(model.clone());
     let _ = state.send(State::Ready);
@@ -240,6 +248,10 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender
         }
         let worked = engine.step();
         let busy: Vec<bool> = engine.slots.iter().map(|s| s.active.is_some()).collect();
+        if let Ok(mut m) = shared.metrics.lock() {
+            m.n_processing = busy.iter().filter(|&&b| b).count();
+            m.n_deferred = engine.pending.len();
+        }
         shared.busy.send_if_modified(|b| {
             let changed = *b != busy;
             *b = busy;
@@ -285,6 +297,7 @@ struct Engine<'m> {
     n_ctx_slot: usize,
     n_predict_default: i32,
     pending: VecDeque<Task>,
+    metrics: Arc<std::sync::Mutex<Metrics>>,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -323,14 +336,14 @@ fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl<'m> Engine<'m> {
-    fn new(ctx: Context<'m>, cfg: &'m EngineConfig) -> Self {
+    fn new(ctx: Context<'m>, cfg: &'m EngineConfig, metrics: Arc<std::sync::Mutex<Metrics>>) -> Self {
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
         let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
         let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
         let now = Instant::now();
         let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
-        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new() }
+        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new(), metrics }
     }
 
     fn is_idle(&self) -> bool {
@@ -494,6 +507,11 @@ impl<'m> Engine<'m> {
             }
             return true;
         }
+        if let Ok(mut m) = self.metrics.lock() {
+            let busy = self.slots.iter().filter(|s| s.active.is_some()).count() as u64;
+            let longest = self.slots.iter().map(|s| s.cache.len() as u64).max().unwrap_or(0);
+            m.on_decode(busy, longest);
+        }
         for id in 0..self.slots.len() {
             let Some(i) = self.slots[id].active.as_ref().and_then(|a| a.i_batch) else { continue };
             self.sample(id, i);
@@ -512,6 +530,10 @@ impl<'m> Engine<'m> {
         if a.t_gen.is_none() {
             a.prompt_ms = (now - a.t_prompt).as_secs_f64() * 1e3;
             a.t_gen = Some(now);
+            if let Ok(mut m) = self.metrics.lock() {
+                m.on_prompt((a.task.prompt.len() - a.n_cached) as u64, (a.prompt_ms * 1e3) as u64);
+                m.on_prompt_cached(a.n_cached as u64);
+            }
         }
         a.n_decoded += 1;
         let is_eog = vocab.is_eog(token) && !a.task.params.ignore_eos;
@@ -577,6 +599,9 @@ impl<'m> Engine<'m> {
             predicted_ms,
         };
         let task_id = a.task.id;
+        if let Ok(mut m) = self.metrics.lock() {
+            m.on_prediction(a.n_decoded as u64, a.n_decoded.saturating_sub(1) as u64, (predicted_ms * 1e3) as u64);
+        }
         self.print_timings(id, &timings, task_id);
         let a = self.release(id).unwrap();
         let stream = a.task.params.stream;

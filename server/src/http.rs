@@ -14,7 +14,7 @@ use strata_ffi::{ChatTemplates, Model, Token, Vocab};
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::header::CONTENT_TYPE;
+use axum::http::header::{HeaderName, CONTENT_TYPE};
 use axum::http::Method;
 use axum::middleware::Next;
 use tokio::sync::mpsc;
@@ -68,6 +68,7 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/v1/models", get(models))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/metrics", get(metrics))
         .route("/completion", post(completion))
         .route("/completions", post(completion))
         .route("/v1/completions", post(oai::completions))
@@ -598,6 +599,17 @@ async fn props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
     let piece = |t| String::from_utf8_lossy(&vocab.token_to_piece(t, true)).into_owned();
     let template = model.meta("tokenizer.chat_template").unwrap_or_default();
     Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()))))
+}
+
+async fn metrics(AxState(app): AxState<App>) -> Result<Response, ApiError> {
+    if !app.info.endpoint_metrics {
+        return Err(ApiError::new(ErrorType::NotSupported, "This server does not support metrics endpoint. Start it with `--metrics`"));
+    }
+    let metrics = app.engine.metrics();
+    let mut m = metrics.lock().map_err(|_| ApiError::server("metrics are unavailable"))?;
+    let body = m.scrape();
+    Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4".to_string()), (HeaderName::from_static("process-start-time-unix"), m.t_start.to_string())], body)
+        .into_response())
 }
 
 async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {

@@ -6,6 +6,7 @@ mod flags;
 mod generation;
 mod http;
 mod info;
+mod metrics;
 mod oai;
 
 use std::ffi::{c_char, c_int};
