@@ -364,6 +364,10 @@ char * strata_chat_msg_diffs(const char * prev_msg_json, const char * new_msg_js
     });
 }
 
+bool strata_validate_filename(const char * filename) {
+    return fs_validate_filename(filename);
+}
+
 const char * strata_build_info(void) {
     return llama_build_info();
 }

@@ -80,6 +80,9 @@ char * strata_chat_parse(const char * text, bool is_partial, const char * parser
 // common_chat_msg_diff::compute_diffs and llama-server's delta JSON give them: a JSON array.
 char * strata_chat_msg_diffs(const char * prev_msg_json, const char * new_msg_json, char ** err);
 
+// common's fs_validate_filename: a plain file name, no separators, no traversal, valid UTF-8.
+bool strata_validate_filename(const char * filename);
+
 // llama_build_info(): llama-server's system_fingerprint.
 const char * strata_build_info(void);
 

@@ -90,3 +90,10 @@ pub fn json_schema_to_grammar(schema: &Value) -> Result<String> {
         take(unsafe { sys::strata_json_schema_to_grammar(schema.as_ptr(), err) })
     })
 }
+
+/// common's fs_validate_filename: a plain file name without separators or traversal.
+pub fn validate_filename(name: &str) -> bool {
+    let Ok(c) = cstring(name, "file name") else { return false };
+    // SAFETY: valid C string for the call.
+    unsafe { sys::strata_validate_filename(c.as_ptr()) }
+}

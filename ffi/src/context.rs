@@ -114,6 +114,31 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_perf_context(self.ptr.as_ptr()) }.n_reused
     }
 
+    /// Saves sequence `seq` (its KV state and `tokens`) to `path`; returns the bytes written
+    /// (0 on failure).
+    pub fn save_seq(&mut self, path: &std::path::Path, seq: i32, tokens: &[Token]) -> usize {
+        let Ok(c) = crate::shim_string::cstring(&path.to_string_lossy(), "path") else { return 0 };
+        // SAFETY: valid context, C string and token slice for the call.
+        unsafe { sys::llama_state_seq_save_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_ptr(), tokens.len()) }
+    }
+
+    /// Loads a saved sequence into `seq`: (bytes read, tokens), or None when the file is not a
+    /// valid save for this context or its tokens do not fit in `max_tokens`.
+    pub fn load_seq(&mut self, path: &std::path::Path, seq: i32, max_tokens: usize) -> Option<(usize, Vec<Token>)> {
+        let c = crate::shim_string::cstring(&path.to_string_lossy(), "path").ok()?;
+        let mut tokens = vec![0 as Token; max_tokens.max(1)];
+        let mut n = 0usize;
+        // SAFETY: valid context and C string; tokens has room for max_tokens entries.
+        let read = unsafe {
+            sys::llama_state_seq_load_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_mut_ptr(), tokens.len(), &mut n)
+        };
+        if read == 0 || n > max_tokens {
+            return None;
+        }
+        tokens.truncate(n);
+        Some((read, tokens))
+    }
+
     /// Greedy argmax over the logits of output i.
     pub fn argmax(&mut self, i: i32) -> Option<Token> {
         let logits = self.logits_ith(i)?;

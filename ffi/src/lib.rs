@@ -22,7 +22,7 @@ mod speculative;
 
 pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log_info, set_log_callback, LogLevel};
 pub use batch::Batch;
-pub use chat::{build_info, chat_msg_diffs, json_schema_to_grammar, parse_chat_message, ChatTemplates};
+pub use chat::{build_info, chat_msg_diffs, json_schema_to_grammar, parse_chat_message, validate_filename, ChatTemplates};
 pub use context::{Context, ContextParams};
 pub use error::{DecodeError, FfiError, Result};
 pub use model::{Model, ModelParams, Token, Vocab};

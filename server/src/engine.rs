@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Token};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::{ApiError, ErrorType};
 use crate::generation::{Generation, StopType};
@@ -59,6 +59,19 @@ pub struct Task {
     pub prompt: Vec<Token>,
     pub params: TaskParams,
     pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// What `/slots/{id}?action=` asks of a slot; done when the slot is idle.
+#[derive(Debug, Clone)]
+pub enum SlotAction {
+    Save { id: usize, filename: String, path: PathBuf },
+    Restore { id: usize, filename: String, path: PathBuf },
+    Erase { id: usize },
+}
+
+pub enum Job {
+    Task(Task),
+    Slot(SlotAction, oneshot::Sender<Result<Value, ApiError>>),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -116,7 +129,7 @@ pub enum Event {
 
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Task>,
+    tx: mpsc::Sender<Job>,
     state: watch::Receiver<State>,
     /// The loaded model, for the read-only work handlers do themselves (tokenizing).
     model: Arc<OnceLock<Arc<Model>>>,
@@ -164,7 +177,7 @@ impl EngineHandle {
         for (index, prompt) in prompts.into_iter().enumerate() {
             let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let task = Task { id, index, prompt, params: params.clone(), events: events.clone() };
-            self.tx.try_send(task).map_err(|e| match e {
+            self.tx.try_send(Job::Task(task)).map_err(|e| match e {
                 mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
                 mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
             })?;
@@ -172,9 +185,16 @@ impl EngineHandle {
         Ok(rx)
     }
 
+    /// Runs a slot action once its slot is idle.
+    pub async fn slot_action(&self, action: SlotAction) -> Result<Value, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.try_send(Job::Slot(action, reply)).map_err(|_| ApiError::new(ErrorType::Unavailable, "server is busy, try again later"))?;
+        rx.await.map_err(|_| ApiError::server("engine dropped the request"))?
+    }
+
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
-    pub fn from_parts(tx: mpsc::Sender<Task>, state: watch::Receiver<State>) -> Self {
+    pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
         let (_, busy) = watch::channel(Vec::new());
         Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), metrics: Arc::default(), busy }
     }
@@ -214,7 +234,7 @@ struct Shared {
     metrics: Arc<std::sync::Mutex<Metrics>>,
 }
 
-fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender<State>, shared: &Shared) {
+fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
     strata_ffi::init_backend(Some(&cfg.params));
     let mparams = cfg.params.model_params();
     let model = match Model::load(&cfg.model_path, &mparams) {
@@ -239,13 +259,14 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Task>, state: watch::Sender
     loop {
         if engine.is_idle() {
             match rx.blocking_recv() {
-                Some(task) => engine.pending.push_back(task),
+                Some(job) => engine.take(job),
                 None => return,
             }
         }
-        while let Ok(task) = rx.try_recv() {
-            engine.pending.push_back(task);
+        while let Ok(job) = rx.try_recv() {
+            engine.take(job);
         }
+        engine.run_slot_actions();
         let worked = engine.step();
         let busy: Vec<bool> = engine.slots.iter().map(|s| s.active.is_some()).collect();
         if let Ok(mut m) = shared.metrics.lock() {
@@ -297,6 +318,7 @@ struct Engine<'m> {
     n_ctx_slot: usize,
     n_predict_default: i32,
     pending: VecDeque<Task>,
+    slot_actions: VecDeque<(SlotAction, oneshot::Sender<Result<Value, ApiError>>)>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
 }
 
@@ -343,11 +365,77 @@ impl<'m> Engine<'m> {
         let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
         let now = Instant::now();
         let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
-        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new(), metrics }
+        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics }
     }
 
     fn is_idle(&self) -> bool {
-        self.pending.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+        self.pending.is_empty() && self.slot_actions.is_empty() && self.slots.iter().all(|s| s.active.is_none())
+    }
+
+    fn take(&mut self, job: Job) {
+        match job {
+            Job::Task(t) => self.pending.push_back(t),
+            Job::Slot(a, reply) => self.slot_actions.push_back((a, reply)),
+        }
+    }
+
+    /// Slot actions whose slot is idle run now; the others wait, as llama-server defers them.
+    fn run_slot_actions(&mut self) {
+        let mut waiting = VecDeque::new();
+        while let Some((action, reply)) = self.slot_actions.pop_front() {
+            let id = match &action {
+                SlotAction::Save { id, .. } | SlotAction::Restore { id, .. } | SlotAction::Erase { id } => *id,
+            };
+            let Some(slot) = self.slots.get(id) else {
+                let _ = reply.send(Err(ApiError::invalid("Invalid slot ID")));
+                continue;
+            };
+            if slot.active.is_some() {
+                waiting.push_back((action, reply));
+                continue;
+            }
+            let _ = reply.send(self.slot_action(action));
+        }
+        self.slot_actions = waiting;
+    }
+
+    fn slot_action(&mut self, action: SlotAction) -> Result<Value, ApiError> {
+        let t0 = Instant::now();
+        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+        match action {
+            SlotAction::Save { id, filename, path } => {
+                let n = self.ctx.save_seq(&path, id as i32, &self.slots[id].cache);
+                if n == 0 {
+                    return Err(ApiError::server("Unable to save slot"));
+                }
+                Ok(serde_json::json!({
+                    "id_slot": id, "filename": filename, "n_saved": self.slots[id].cache.len(),
+                    "n_written": n, "timings": {"save_ms": ms(t0)},
+                }))
+            }
+            SlotAction::Restore { id, filename, path } => {
+                let n_vocab = self.ctx.model().vocab().n_tokens();
+                let restored = self.ctx.load_seq(&path, id as i32, self.n_ctx_slot);
+                let ok = restored.filter(|(_, toks)| toks.iter().all(|&t| (0..n_vocab).contains(&t)));
+                let Some((n_read, tokens)) = ok else {
+                    self.ctx.seq_rm(id as i32, 0, -1);
+                    self.slots[id].cache.clear();
+                    return Err(ApiError::invalid("Unable to restore slot: No available space in KV cache or invalid slot save file"));
+                };
+                let n = tokens.len();
+                self.slots[id].cache = tokens;
+                Ok(serde_json::json!({
+                    "id_slot": id, "filename": filename, "n_restored": n,
+                    "n_read": n_read, "timings": {"restore_ms": ms(t0)},
+                }))
+            }
+            SlotAction::Erase { id } => {
+                let n = self.slots[id].cache.len();
+                self.ctx.seq_rm(id as i32, 0, -1);
+                self.slots[id].cache.clear();
+                Ok(serde_json::json!({"id_slot": id, "n_erased": n}))
+            }
+        }
     }
 
     /// The idle slot for a task: the one asked for, else the one whose cache shares the most

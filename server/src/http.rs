@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::info::{self, origin_is_localhost, ServerInfo};
 use crate::oai;
 
-use crate::engine::{EngineHandle, Event, Final, Partial, State, TaskParams, Timings, TokenProbs};
+use crate::engine::{EngineHandle, Event, Final, Partial, SlotAction, State, TaskParams, Timings, TokenProbs};
 use crate::error::{ApiError, ErrorType};
 
 /// Request fields that map onto common_params_sampling fields under another name.
@@ -68,6 +68,7 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/v1/models", get(models))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/slots/{id_slot}", post(slot_action))
         .route("/metrics", get(metrics))
         .route("/completion", post(completion))
         .route("/completions", post(completion))
@@ -601,6 +602,40 @@ async fn props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
     Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()))))
 }
 
+async fn slot_action(
+    AxState(app): AxState<App>,
+    axum::extract::Path(id_slot): axum::extract::Path<String>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    if app.info.slot_save_path.is_empty() {
+        return Err(ApiError::new(ErrorType::NotSupported, "This server does not support slots action. Start it with `--slot-save-path`"));
+    }
+    let id: usize = id_slot.parse().map_err(|_| ApiError::invalid("Invalid slot ID"))?;
+    let action = q.get("action").map(String::as_str).unwrap_or("");
+    let file = || -> Result<(String, std::path::PathBuf), ApiError> {
+        let body = parse_body(&body)?;
+        let name = body.get("filename").and_then(Value::as_str).ok_or_else(|| ApiError::invalid("\"filename\" is required"))?;
+        if !strata_ffi::validate_filename(name) {
+            return Err(ApiError::invalid("Invalid filename"));
+        }
+        Ok((name.to_string(), std::path::PathBuf::from(format!("{}{name}", app.info.slot_save_path))))
+    };
+    let action = match action {
+        "save" => {
+            let (filename, path) = file()?;
+            SlotAction::Save { id, filename, path }
+        }
+        "restore" => {
+            let (filename, path) = file()?;
+            SlotAction::Restore { id, filename, path }
+        }
+        "erase" => SlotAction::Erase { id },
+        _ => return Err(ApiError::invalid("Invalid action")),
+    };
+    Ok(Json(app.engine.slot_action(action).await?))
+}
+
 async fn metrics(AxState(app): AxState<App>) -> Result<Response, ApiError> {
     if !app.info.endpoint_metrics {
         return Err(ApiError::new(ErrorType::NotSupported, "This server does not support metrics endpoint. Start it with `--metrics`"));
@@ -706,7 +741,7 @@ async fn detokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::Task;
+    use crate::engine::Job;
     use crate::generation::StopType;
     use axum::http::Request;
     use http_body_util::BodyExt;
@@ -715,11 +750,12 @@ mod tests {
 
     /// A scripted engine: answers every task with the text "hi" in two tokens.
     fn engine(state: State) -> EngineHandle {
-        let (tx, mut rx) = mpsc::channel::<Task>(4);
+        let (tx, mut rx) = mpsc::channel::<Job>(4);
         let (state_tx, state_rx) = watch::channel(state);
         tokio::spawn(async move {
             let _keep = state_tx;
-            while let Some(task) = rx.recv().await {
+            while let Some(job) = rx.recv().await {
+                let Job::Task(task) = job else { continue };
                 let fin = Final {
                     index: task.index,
                     content: "hi".into(),

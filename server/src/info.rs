@@ -28,6 +28,7 @@ pub struct ServerInfo {
     pub chat_template: String,
     pub reasoning_format: String,
     pub enable_reasoning: i64,
+    pub slot_save_path: String,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
     pub verbose: bool,
 }
@@ -60,6 +61,7 @@ impl ServerInfo {
             chat_template: s("chat_template"),
             reasoning_format: s("reasoning_format"),
             enable_reasoning: cfg["enable_reasoning"].as_i64().unwrap_or(-1),
+            slot_save_path: s("slot_save_path"),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
         }
     }

@@ -144,3 +144,38 @@ fn chat_completions_stream_and_choices() {
     assert_eq!(choices[1]["index"], 1);
     assert_eq!(choices[0]["message"]["content"], choices[1]["message"]["content"], "greedy choices agree");
 }
+
+#[test]
+fn slots_save_erase_restore_and_no_path_escapes() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("slot-save");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let save_path = format!("{}/", dir.display());
+    let m = model("tiny-qwen3moe.gguf");
+    let server = Server::start(&["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1", "--slot-save-path", &save_path], &[]);
+    let req = greedy("The quick brown fox jumps over the lazy dog", 4);
+    let (_, first) = server.post("/completion", &req);
+    let (s, saved) = server.post("/slots/0?action=save", &json!({"filename": "fox.bin"}));
+    assert_eq!(s, 200, "{saved}");
+    assert!(saved["n_saved"].as_u64().unwrap() > 0);
+    assert!(dir.join("fox.bin").is_file());
+    let (_, erased) = server.post("/slots/0?action=erase", &json!({}));
+    assert_eq!(erased["n_erased"], saved["n_saved"]);
+    let (_, restored) = server.post("/slots/0?action=restore", &json!({"filename": "fox.bin"}));
+    assert_eq!(restored["n_restored"], saved["n_saved"], "{restored}");
+    let (_, again) = server.post("/completion", &req);
+    assert!(again["timings"]["cache_n"].as_u64().unwrap() > 0, "the restored cache is used: {again}");
+    assert_eq!(again["tokens"], first["tokens"]);
+
+    for bad in ["../escape.bin", "/etc/passwd", "a/b.bin"] {
+        let (s, body) = server.post("/slots/0?action=save", &json!({"filename": bad}));
+        assert_eq!(s, 400, "{bad}: {body}");
+        assert_eq!(body["error"]["message"], "Invalid filename");
+    }
+    let (s, _) = server.post("/slots/0?action=restore", &json!({"filename": "missing.bin"}));
+    assert_eq!(s, 400);
+    let (s, _) = server.post("/slots/7?action=erase", &json!({}));
+    assert_eq!(s, 400);
+    let (s, _) = server.post("/slots/0?action=dance", &json!({}));
+    assert_eq!(s, 400);
+}
