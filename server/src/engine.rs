@@ -539,11 +539,20 @@ impl<'m> Engine<'m> {
 
     /// One batch: admit, build, decode, sample. Returns whether anything was decoded.
     fn step(&mut self) -> bool {
-        while let Some(task) = self.pending.front() {
-            let Some(id) = self.pick_slot(task) else { break };
-            let task = self.pending.pop_front().unwrap();
-            self.start(id, task);
+        // Admit in arrival order; a task waiting for a particular busy slot does not hold back
+        // the ones behind it.
+        let mut waiting = VecDeque::new();
+        while let Some(task) = self.pending.pop_front() {
+            if task.params.id_slot >= self.slots.len() as i32 {
+                let _ = task.events.send(Event::Error(ApiError::invalid("Invalid slot ID")));
+                continue;
+            }
+            match self.pick_slot(&task) {
+                Some(id) => self.start(id, task),
+                None => waiting.push_back(task),
+            }
         }
+        self.pending = waiting;
         for id in 0..self.slots.len() {
             if self.slots[id].active.as_ref().is_some_and(|a| a.task.events.is_closed()) {
                 self.release(id);

@@ -373,22 +373,37 @@ const SETTINGS: &[(&str, &str)] = &[
 ];
 
 /// llama-server's generation_settings: the server's sampling defaults with this request's
-/// overrides, under the names llama-server reports.
+/// overrides, under the names and in the order llama-server reports them.
 pub fn generation_settings(defaults: &Value, p: &TaskParams) -> Value {
+    let field = |f: &str| p.sampling.get(f).or_else(|| defaults.get(f)).cloned().unwrap_or(Value::Null);
     let mut out = Map::new();
-    for &(name, field) in SETTINGS {
-        let v = p.sampling.get(field).or_else(|| defaults.get(field)).cloned().unwrap_or(Value::Null);
-        out.insert(name.into(), v);
+    for &(name, f) in SETTINGS {
+        out.insert(name.into(), field(f));
     }
+    let logit_bias: Vec<Value> = p
+        .sampling
+        .get("logit_bias")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .map(|e| json!({"bias": if e[1] == json!(false) { Value::Null } else { e[1].clone() }, "token": e[0]}))
+                .collect()
+        })
+        .unwrap_or_default();
     for (k, v) in [
+        ("stop", json!(p.stop)),
         ("max_tokens", json!(p.n_predict)),
         ("n_predict", json!(p.n_predict)),
         ("n_keep", json!(0)),
         ("n_discard", json!(0)),
         ("ignore_eos", json!(p.ignore_eos)),
         ("stream", json!(p.stream)),
+        ("logit_bias", Value::Array(logit_bias)),
         ("n_probs", json!(p.n_probs)),
-        ("min_keep", p.sampling.get("min_keep").or_else(|| defaults.get("min_keep")).cloned().unwrap_or(json!(0))),
+        ("min_keep", field("min_keep")),
+        ("grammar", field("grammar")),
+        ("grammar_lazy", p.sampling.get("grammar_lazy").cloned().unwrap_or(json!(false))),
+        ("timings_per_token", json!(false)),
         ("post_sampling_probs", json!(p.post_sampling_probs)),
     ] {
         out.insert(k.into(), v);
