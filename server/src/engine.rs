@@ -83,6 +83,30 @@ pub struct Timings {
     pub predicted_ms: f64,
 }
 
+/// Rates as llama-server computes them: generation counts decode steps, and the first token is
+/// free (it comes from the logits of the last prompt batch).
+impl Timings {
+    fn gen_steps(&self) -> usize {
+        self.predicted_n.saturating_sub(1)
+    }
+
+    pub fn prompt_per_token_ms(&self) -> f64 {
+        if self.prompt_n > 0 { self.prompt_ms / self.prompt_n as f64 } else { 0.0 }
+    }
+
+    pub fn prompt_per_second(&self) -> f64 {
+        if self.prompt_ms > 0.0 { 1e3 / self.prompt_ms * self.prompt_n as f64 } else { 0.0 }
+    }
+
+    pub fn predicted_per_token_ms(&self) -> f64 {
+        if self.gen_steps() > 0 { self.predicted_ms / self.gen_steps() as f64 } else { 0.0 }
+    }
+
+    pub fn predicted_per_second(&self) -> f64 {
+        if self.predicted_ms > 0.0 { 1e3 / self.predicted_ms * self.gen_steps() as f64 } else { 0.0 }
+    }
+}
+
 /// One generated token with its probability and the most likely alternatives.
 #[derive(Debug, Clone)]
 pub struct TokenProbs {
@@ -345,14 +369,6 @@ fn slot_log(func: &str, slot: usize, task: u64, msg: &str) {
     strata_ffi::log_info(&format!("slot {func:>12}: id {slot:2} | task {task} | {msg}\n"));
 }
 
-fn per_token_ms(ms: f64, n: usize) -> f64 {
-    if n > 0 { ms / n as f64 } else { 0.0 }
-}
-
-fn per_second(ms: f64, n: usize) -> f64 {
-    if ms > 0.0 { 1e3 / ms * n as f64 } else { 0.0 }
-}
-
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -527,8 +543,16 @@ impl<'m> Engine<'m> {
     fn print_timings(&self, id: usize, t: &Timings, task: u64) {
         let (pp, pn, gp, gn) = (t.prompt_ms, t.prompt_n, t.predicted_ms, t.predicted_n);
         let lines = [
-            format!("prompt eval time = {pp:10.2} ms / {pn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)", per_token_ms(pp, pn), per_second(pp, pn)),
-            format!("       eval time = {gp:10.2} ms / {gn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)", per_token_ms(gp, gn), per_second(gp, gn)),
+            format!(
+                "prompt eval time = {pp:10.2} ms / {pn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)",
+                t.prompt_per_token_ms(),
+                t.prompt_per_second()
+            ),
+            format!(
+                "       eval time = {gp:10.2} ms / {gn:5} tokens ({:8.2} ms per token, {:8.2} tokens per second)",
+                t.predicted_per_token_ms(),
+                t.predicted_per_second()
+            ),
             format!("      total time = {:10.2} ms / {:5} tokens", pp + gp, pn + gn),
             format!("   graphs reused = {:10}", self.ctx.graphs_reused()),
         ];
@@ -687,7 +711,7 @@ impl<'m> Engine<'m> {
             a.sampled = Some(token);
             return;
         }
-        let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64().max(1e-6) * 1e3);
         let timings = Timings {
             cache_n: a.n_cached,
             prompt_n: a.task.prompt.len() - a.n_cached,

@@ -276,25 +276,17 @@ fn logit_bias(v: Option<&Value>, vocab: Vocab<'_>) -> Vec<Value> {
     out
 }
 
-fn per_second(n: usize, ms: f64) -> f64 {
-    if ms > 0.0 { n as f64 * 1e3 / ms } else { 0.0 }
-}
-
-fn per_token(n: usize, ms: f64) -> f64 {
-    if n > 0 { ms / n as f64 } else { 0.0 }
-}
-
 pub fn timings_json(t: &Timings) -> Value {
     json!({
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
         "prompt_ms": t.prompt_ms,
-        "prompt_per_token_ms": per_token(t.prompt_n, t.prompt_ms),
-        "prompt_per_second": per_second(t.prompt_n, t.prompt_ms),
+        "prompt_per_token_ms": t.prompt_per_token_ms(),
+        "prompt_per_second": t.prompt_per_second(),
         "predicted_n": t.predicted_n,
         "predicted_ms": t.predicted_ms,
-        "predicted_per_token_ms": per_token(t.predicted_n, t.predicted_ms),
-        "predicted_per_second": per_second(t.predicted_n, t.predicted_ms),
+        "predicted_per_token_ms": t.predicted_per_token_ms(),
+        "predicted_per_second": t.predicted_per_second(),
     })
 }
 

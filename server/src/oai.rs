@@ -318,6 +318,8 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
+    // __verbose shows the prompt as its tokens read back, as llama-server does.
+    let prompt_text = model.vocab().detokenize(&prompt, false, true);
     let rx = app.engine.submit(vec![prompt; n_choices], params.clone())?;
     let parser = chat.parser;
     let parse = move |text: &str, partial: bool| -> Value {
@@ -381,7 +383,6 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
         };
         return stream_response(rx, n_choices, render, Some("data: [DONE]\n\n")).await;
     }
-    let prompt_text = chat.prompt;
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };
         let mut msg = parse(&f.content, false);
