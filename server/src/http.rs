@@ -20,7 +20,7 @@ use axum::middleware::Next;
 use tokio::sync::mpsc;
 
 use crate::info::{self, origin_is_localhost, ServerInfo};
-use crate::oai;
+use crate::{anthropic, oai};
 
 use crate::engine::{EngineHandle, Event, Final, Partial, SlotAction, State, TaskParams, Timings, TokenProbs};
 use crate::error::{ApiError, ErrorType};
@@ -66,7 +66,7 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/v1/health", get(health))
         .route("/models", get(models))
         .route("/v1/models", get(models))
-        .route("/props", get(props))
+        .route("/props", get(props).post(post_props))
         .route("/slots", get(slots))
         .route("/slots/{id_slot}", post(slot_action))
         .route("/metrics", get(metrics))
@@ -76,6 +76,10 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/chat/completions", post(oai::chat_completions))
         .route("/v1/chat/completions", post(oai::chat_completions))
         .route("/apply-template", post(oai::apply_template))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/chat/completions/input_tokens", post(oai::chat_input_tokens))
+        .route("/v1/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .fallback(not_found)
@@ -451,11 +455,27 @@ fn final_json_with_probs(f: &Final, model: &str, prompt: &str, post_sampling: bo
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
 /// error), the rest go out as SSE `data:` lines until every task has finished; an error
 /// mid-stream ends it. `done` is the closing line, if the API has one (`data: [DONE]`).
+/// How a stream is framed: llama-server's own routes end without a marker, the OpenAI ones
+/// with `data: [DONE]`, the Anthropic one with named events (`event:` + `data:`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Sse {
+    Plain,
+    OpenAi,
+    Anthropic,
+}
+
+fn sse_write(out: &mut String, style: Sse, v: &Value) {
+    match (style, v.get("event").and_then(Value::as_str), v.get("data")) {
+        (Sse::Anthropic, Some(ev), Some(data)) => out.push_str(&format!("event: {ev}\ndata: {data}\n\n")),
+        _ => out.push_str(&format!("data: {v}\n\n")),
+    }
+}
+
 pub async fn stream_response(
     mut rx: mpsc::UnboundedReceiver<Event>,
     n_tasks: usize,
     mut render: impl FnMut(&Event) -> Vec<Value> + Send + 'static,
-    done: Option<&'static str>,
+    style: Sse,
 ) -> Result<Response, ApiError> {
     let first = rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))?;
     if let Event::Error(e) = first {
@@ -479,19 +499,23 @@ pub async fn stream_response(
         let mut out = String::new();
         match &ev {
             Event::Error(e) => {
-                out.push_str(&format!("data: {}\n\n", json!({"error": e.body()["error"]})));
+                let err = match style {
+                    Sse::Anthropic => json!({"event": "error", "data": e.body()["error"]}),
+                    _ => json!({"error": e.body()["error"]}),
+                };
+                sse_write(&mut out, style, &err);
                 finished = true;
             }
             other => {
                 for v in render(other) {
-                    out.push_str(&format!("data: {v}\n\n"));
+                    sse_write(&mut out, style, &v);
                 }
                 if matches!(other, Event::Final(_)) {
                     remaining -= 1;
                     if remaining == 0 {
                         finished = true;
-                        if let Some(d) = done {
-                            out.push_str(d);
+                        if style == Sse::OpenAi {
+                            out.push_str("data: [DONE]\n\n");
                         }
                     }
                 }
@@ -565,7 +589,7 @@ async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
         Event::Error(e) => vec![e.body()],
     };
     if stream {
-        return stream_response(rx, n, render, None).await;
+        return stream_response(rx, n, render, Sse::Plain).await;
     }
     collect(rx, n, render).await
 }
@@ -652,6 +676,13 @@ async fn metrics(AxState(app): AxState<App>) -> Result<Response, ApiError> {
     let body = m.scrape();
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4".to_string()), (HeaderName::from_static("process-start-time-unix"), m.t_start.to_string())], body)
         .into_response())
+}
+
+async fn post_props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
+    if !app.info.endpoint_props {
+        return Err(ApiError::new(ErrorType::NotSupported, "This server does not support changing global properties. Start it with `--props`"));
+    }
+    Ok(Json(json!({"success": true})))
 }
 
 async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {

@@ -1,5 +1,6 @@
 //! strata-server: llama-server's command line and HTTP API over the pinned, patched llama.cpp.
 
+mod anthropic;
 mod engine;
 mod error;
 mod flags;

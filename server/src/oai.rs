@@ -14,12 +14,15 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
 use crate::generation::StopType;
-use crate::http::{collect, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json, tokenize_prompts, App};
+use crate::http::{
+    collect, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json,
+    tokenize_prompts, App, Sse,
+};
 
 const ALNUM: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
 /// 32 random alphanumerics, as llama-server's random_string().
-fn random_string() -> String {
+pub fn random_string() -> String {
     let mut seed = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
         ^ (std::process::id() as u64).rotate_left(32)
         ^ COUNTER.fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed);
@@ -130,16 +133,16 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
         }
     };
     if params.stream {
-        return stream_response(rx, n, render, Some("data: [DONE]\n\n")).await;
+        return stream_response(rx, n, render, Sse::OpenAi).await;
     }
     collect(rx, n, render).await
 }
 
 /// The chat request turned into a prompt and the parameters that go with it.
-struct ChatPrompt {
-    prompt: String,
-    task_body: Map<String, Value>,
-    parser: Value,
+pub struct ChatPrompt {
+    pub prompt: String,
+    pub task_body: Map<String, Value>,
+    pub parser: Value,
 }
 
 pub fn chat_templates(app: &App, model: &Arc<Model>) -> Result<Arc<ChatTemplates>, ApiError> {
@@ -150,7 +153,24 @@ pub fn chat_templates(app: &App, model: &Arc<Model>) -> Result<Arc<ChatTemplates
     t.clone().map_err(ApiError::server)
 }
 
-fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> Result<ChatPrompt, ApiError> {
+/// Media parts need a multimodal projector, which strata-server does not load yet: the same
+/// refusals llama-server gives without one.
+fn check_media(parts: &[Value]) -> Result<(), ApiError> {
+    for p in parts {
+        let what = match p.get("type").and_then(Value::as_str) {
+            Some("image_url") => "image",
+            Some("input_audio") => "audio",
+            Some("input_video" | "video_url") => "video",
+            _ => continue,
+        };
+        return Err(ApiError::server(format!(
+            "{what} input is not supported - hint: if this is unexpected, you may need to provide the mmproj"
+        )));
+    }
+    Ok(())
+}
+
+pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> Result<ChatPrompt, ApiError> {
     let info = &app.info;
     let tools = body.get("tools").cloned().unwrap_or(Value::Null);
     let has_tools = tools.as_array().is_some_and(|t| !t.is_empty());
@@ -200,6 +220,11 @@ fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> R
         }
         if role == "assistant" && m.get("content").is_none() && m.get("tool_calls").is_none() {
             return Err(ApiError::invalid("Assistant message must contain either 'content' or 'tool_calls'!"));
+        }
+        match m.get("content") {
+            None | Some(Value::String(_) | Value::Null) => {}
+            Some(Value::Array(parts)) => check_media(parts)?,
+            Some(_) => return Err(ApiError::invalid("Expected 'content' to be a string or an array")),
         }
     }
     let mut add_generation_prompt = body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true);
@@ -295,8 +320,17 @@ pub async fn apply_template(AxState(app): AxState<App>, body: Bytes) -> Result<J
     Ok(Json(json!({"prompt": chat.prompt})))
 }
 
+/// How many tokens a chat request's prompt takes (the `input_tokens` routes).
+pub async fn chat_input_tokens(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body = parse_body(&body)?;
+    let model = loaded_model(&app.engine)?;
+    let chat = chat_prompt(&app, &model, body)?;
+    let n = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0).len();
+    Ok(Json(json!({"input_tokens": n, "object": "response.input_tokens"})))
+}
+
 /// Gives tool calls without an id one, and keeps ids stable across stream updates.
-fn fill_tool_call_ids(msg: &mut Value, ids: &mut Vec<String>) {
+pub fn fill_tool_call_ids(msg: &mut Value, ids: &mut Vec<String>) {
     let Some(calls) = msg.get_mut("tool_calls").and_then(Value::as_array_mut) else { return };
     for (i, call) in calls.iter_mut().enumerate() {
         if ids.len() <= i {
@@ -381,7 +415,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                 Event::Error(e) => vec![e.body()],
             }
         };
-        return stream_response(rx, n_choices, render, Some("data: [DONE]\n\n")).await;
+        return stream_response(rx, n_choices, render, Sse::OpenAi).await;
     }
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };
