@@ -61,7 +61,7 @@ impl App {
 
 pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
     let app = App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() };
-    Router::new()
+    let routes = Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/models", get(models))
@@ -81,7 +81,13 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/v1/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize))
+        .route("/detokenize", post(detokenize));
+    // --api-prefix puts every route under one path, as llama-server does.
+    let routes = match app.info.api_prefix.as_str() {
+        "" => routes,
+        prefix => Router::new().nest(prefix, routes),
+    };
+    routes
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
         .layer(axum::middleware::map_response(server_header))
@@ -89,6 +95,11 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
 }
 
 const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
+
+/// llama-server matches its public paths literally, so under --api-prefix they need a key too.
+fn is_public(path: &str) -> bool {
+    PUBLIC_PATHS.contains(&path)
+}
 
 fn header<'a>(req: &'a Request, name: &str) -> &'a str {
     req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
@@ -127,7 +138,7 @@ async fn gate(AxState(app): AxState<App>, req: Request, next: Next) -> Response 
         r
     } else if app.engine.state() != State::Ready {
         middleware_error(StatusCode::SERVICE_UNAVAILABLE, "Loading model", "unavailable_error")
-    } else if !info.api_keys.is_empty() && !PUBLIC_PATHS.contains(&req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
+    } else if !info.api_keys.is_empty() && !is_public(req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
         middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")
     } else {
         next.run(req).await

@@ -29,6 +29,7 @@ pub struct ServerInfo {
     pub reasoning_format: String,
     pub enable_reasoning: i64,
     pub slot_save_path: String,
+    pub api_prefix: String,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
     pub verbose: bool,
 }
@@ -62,6 +63,7 @@ impl ServerInfo {
             reasoning_format: s("reasoning_format"),
             enable_reasoning: cfg["enable_reasoning"].as_i64().unwrap_or(-1),
             slot_save_path: s("slot_save_path"),
+            api_prefix: s("api_prefix"),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
         }
     }

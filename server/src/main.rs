@@ -83,16 +83,11 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     rt.block_on(async move {
         let mut listeners = Vec::new();
         for host in &hosts {
-            let addr = host.trim_start_matches('[').trim_end_matches(']');
-            let listener = tokio::net::TcpListener::bind((addr, port as u16))
-                .await
-                .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
-            listeners.push(listener);
+            listeners.push(Listener::bind(host, port as u16).await?);
         }
         let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_parallel, kv_unified, n_predict_default });
         for l in &listeners {
-            let addr = l.local_addr()?;
-            eprintln!("main: server is listening on http://{addr}");
+            eprintln!("main: server is listening on {}", l.describe()?);
         }
         let mut state = engine.state_watch();
         let load_failed = async move {
@@ -119,21 +114,54 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     })
 }
 
+enum Listener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener),
+}
+
+impl Listener {
+    /// A host ending in `.sock` is a Unix socket path, as with llama-server.
+    async fn bind(host: &str, port: u16) -> Result<Self> {
+        if host.ends_with(".sock") {
+            let l = tokio::net::UnixListener::bind(host).with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}"))?;
+            return Ok(Self::Unix(l));
+        }
+        let addr = host.trim_start_matches('[').trim_end_matches(']');
+        let l = tokio::net::TcpListener::bind((addr, port))
+            .await
+            .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
+        Ok(Self::Tcp(l))
+    }
+
+    fn describe(&self) -> Result<String> {
+        Ok(match self {
+            Self::Tcp(l) => format!("http://{}", l.local_addr()?),
+            Self::Unix(l) => format!("unix://{}", l.local_addr()?.as_pathname().map(|p| p.display().to_string()).unwrap_or_default()),
+        })
+    }
+}
+
 /// HTTP/1.1 with header names in title case, as llama-server (cpp-httplib) writes them: some
 /// clients, the pin's own tests among them, look headers up case-sensitively.
-async fn accept_loop(listener: tokio::net::TcpListener, app: axum::Router) {
+async fn accept_loop(listener: Listener, app: axum::Router) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            continue;
+        let accepted = match &listener {
+            Listener::Tcp(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone())),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone())),
         };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        tokio::spawn(async move {
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new()
-                .title_case_headers(true)
-                .serve_connection(io, svc)
-                .await;
-        });
+        if accepted.is_err() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
     }
+}
+
+fn serve_connection<S>(stream: S, app: axum::Router)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = hyper_util::service::TowerToHyperService::new(app);
+    tokio::spawn(async move {
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let _ = hyper::server::conn::http1::Builder::new().title_case_headers(true).serve_connection(io, svc).await;
+    });
 }

@@ -8,5 +8,6 @@ mod fetch;
 mod gemma;
 mod hooks;
 mod http;
+mod stress;
 mod support;
 mod tokenizer;

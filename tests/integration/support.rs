@@ -121,6 +121,21 @@ impl Drop for Server {
 }
 
 impl Server {
+    /// The server's resident memory, in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap()
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Value) {
+        let r = match ureq::get(&format!("{}{path}", self.base)).call() {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("GET {path}: {e}"),
+        };
+        (r.status(), r.into_json().expect("JSON body"))
+    }
+
     /// POSTs a streaming request and returns the SSE `data:` payloads, read to the end.
     pub fn post_stream(&self, path: &str, body: &Value) -> Vec<Value> {
         let res = ureq::post(&format!("{}{path}", self.base)).send_json(body.clone()).expect("stream request");
