@@ -161,6 +161,7 @@ pub struct EngineHandle {
     n_ctx_slot: Arc<OnceLock<usize>>,
     next_task_id: Arc<std::sync::atomic::AtomicU64>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
+    sleeping: Arc<std::sync::atomic::AtomicBool>,
     /// Whether each slot is processing a task, as of the engine's last step.
     busy: watch::Receiver<Vec<bool>>,
 }
@@ -176,6 +177,11 @@ impl EngineHandle {
 
     pub fn n_ctx_slot(&self) -> usize {
         self.n_ctx_slot.get().copied().unwrap_or(0)
+    }
+
+    /// Whether the engine has freed its context after --sleep-idle-seconds of idleness.
+    pub fn is_sleeping(&self) -> bool {
+        self.sleeping.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn metrics(&self) -> Arc<std::sync::Mutex<Metrics>> {
@@ -220,7 +226,7 @@ impl EngineHandle {
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
         let (_, busy) = watch::channel(Vec::new());
-        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), metrics: Arc::default(), busy }
+        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), metrics: Arc::default(), busy, sleeping: Arc::default() }
     }
 }
 
@@ -231,6 +237,8 @@ pub struct EngineConfig {
     pub n_parallel: usize,
     pub kv_unified: bool,
     pub n_predict_default: i32,
+    /// --sleep-idle-seconds: free the context after this long without work.
+    pub sleep_idle: Option<Duration>,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -241,17 +249,19 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let n_ctx_slot = Arc::new(OnceLock::new());
     let (busy_tx, busy) = watch::channel(vec![false; cfg.n_parallel.max(1)]);
     let metrics: Arc<std::sync::Mutex<Metrics>> = Arc::default();
-    let shared = Shared { model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx, metrics: metrics.clone() };
+    let sleeping: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+    let shared = Shared { sleeping: sleeping.clone(), model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx, metrics: metrics.clone() };
     let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy, sleeping }
 }
 
 /// What the engine publishes for handlers.
 struct Shared {
+    sleeping: Arc<std::sync::atomic::AtomicBool>,
     model: Arc<OnceLock<Arc<Model>>>,
     n_ctx_slot: Arc<OnceLock<usize>>,
     busy: watch::Sender<Vec<bool>>,
@@ -268,23 +278,66 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             return;
         }
     };
-    let ctx = match Context::new(&model, cfg.params.context_params()) {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = state.send(State::Failed(e.to_string()));
-            return;
-        }
-    };
-    let mut engine = Engine::new(ctx, &cfg, shared.metrics.clone());
-    let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
     let _ = shared.model.set(model.clone());
-    let _ = state.send(State::Ready);
+    let mut woken_by: Option<Job> = None;
+    loop {
+        let ctx = match Context::new(&model, cfg.params.context_params()) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        };
+        let mut engine = Engine::new(ctx, &cfg, shared.metrics.clone());
+        let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
+        shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
+        let _ = state.send(State::Ready);
+        if let Some(job) = woken_by.take() {
+            engine.take(job);
+        }
+        match serve_jobs(&mut engine, &mut rx, shared, cfg.sleep_idle) {
+            Some(job) => woken_by = Some(job),
+            None => return,
+        }
+    }
+}
 
+/// What a wait for work ended with.
+enum Wait {
+    Job(Job),
+    Idle,
+    Closed,
+}
+
+fn wait_for_job(rx: &mut mpsc::Receiver<Job>, limit: Option<Duration>) -> Wait {
+    let Some(limit) = limit else {
+        return rx.blocking_recv().map_or(Wait::Closed, Wait::Job);
+    };
+    let t0 = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Wait::Job(job),
+            Err(mpsc::error::TryRecvError::Disconnected) => return Wait::Closed,
+            Err(mpsc::error::TryRecvError::Empty) if t0.elapsed() >= limit => return Wait::Idle,
+            Err(mpsc::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Runs the engine until the channel closes (None), or, with --sleep-idle-seconds, until it
+/// has been idle that long: then the context (KV cache, compute buffers) is freed and the job
+/// that wakes the server is returned. The weights stay loaded.
+fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, shared: &Shared, sleep_idle: Option<Duration>) -> Option<Job> {
     loop {
         if engine.is_idle() {
-            match rx.blocking_recv() {
-                Some(job) => engine.take(job),
-                None => return,
+            match wait_for_job(rx, sleep_idle) {
+                Wait::Job(job) => engine.take(job),
+                Wait::Closed => return None,
+                Wait::Idle => {
+                    shared.sleeping.store(true, std::sync::atomic::Ordering::Relaxed);
+                    strata_ffi::log_info("srv  handle_sleep: entering sleeping state\n");
+                    return rx.blocking_recv();
+                }
             }
         }
         while let Ok(job) = rx.try_recv() {

@@ -641,7 +641,8 @@ async fn props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
     let vocab = model.vocab();
     let piece = |t| String::from_utf8_lossy(&vocab.token_to_piece(t, true)).into_owned();
     let template = model.meta("tokenizer.chat_template").unwrap_or_default();
-    Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()))))
+    let sleeping = app.engine.is_sleeping();
+    Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()), sleeping)))
 }
 
 async fn slot_action(

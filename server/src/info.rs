@@ -120,7 +120,7 @@ pub fn models(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value {
     })
 }
 
-pub fn props(info: &ServerInfo, n_ctx_slot: usize, chat_template: &str, bos: &str, eos: &str) -> Value {
+pub fn props(info: &ServerInfo, n_ctx_slot: usize, chat_template: &str, bos: &str, eos: &str, is_sleeping: bool) -> Value {
     json!({
         "default_generation_settings": {"params": info.sampling, "n_ctx": n_ctx_slot},
         "total_slots": info.n_parallel,
@@ -134,7 +134,7 @@ pub fn props(info: &ServerInfo, n_ctx_slot: usize, chat_template: &str, bos: &st
         "chat_template": chat_template,
         "bos_token": bos,
         "eos_token": eos,
-        "is_sleeping": false,
+        "is_sleeping": is_sleeping,
     })
 }
 

@@ -85,7 +85,16 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         for host in &hosts {
             listeners.push(Listener::bind(host, port as u16).await?);
         }
-        let engine = engine::spawn(engine::EngineConfig { params, model_path, model_alias, n_parallel, kv_unified, n_predict_default });
+        let sleep_idle = cfg["sleep_idle_seconds"].as_i64().filter(|&s| s > 0).map(|s| std::time::Duration::from_secs(s as u64));
+        let engine = engine::spawn(engine::EngineConfig {
+            params,
+            model_path,
+            model_alias,
+            n_parallel,
+            kv_unified,
+            n_predict_default,
+            sleep_idle,
+        });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);
         }

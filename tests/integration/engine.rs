@@ -179,3 +179,18 @@ fn slots_save_erase_restore_and_no_path_escapes() {
     let (s, _) = server.post("/slots/0?action=dance", &json!({}));
     assert_eq!(s, 400);
 }
+
+#[test]
+fn sleep_idle_seconds_frees_the_context_and_a_request_wakes_it() {
+    let m = model("tiny-llama.gguf");
+    let server = Server::start(&["-m", m.to_str().unwrap(), "--sleep-idle-seconds", "1"], &[]);
+    let t0 = std::time::Instant::now();
+    while server.get("/props").1["is_sleeping"] != true {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the server did not go to sleep");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(server.get("/health").0, 200);
+    let (status, body) = server.post("/completion", &json!({"prompt": "Hello", "n_predict": 2}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(server.get("/props").1["is_sleeping"], false);
+}
