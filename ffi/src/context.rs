@@ -108,6 +108,18 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.ptr.as_ptr()), seq, p0, p1) }
     }
 
+    /// Shifts positions [p0, p1) of sequence `seq` by `delta` (context shift).
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) {
+        // SAFETY: valid context; the memory handle lives as long as it.
+        unsafe { sys::llama_memory_seq_add(sys::llama_get_memory(self.ptr.as_ptr()), seq, p0, p1, delta) }
+    }
+
+    /// Whether the memory supports shifting positions (not recurrent or some SWA caches).
+    pub fn can_shift(&self) -> bool {
+        // SAFETY: valid context; the memory handle lives as long as it.
+        unsafe { sys::llama_memory_can_shift(sys::llama_get_memory(self.ptr.as_ptr())) }
+    }
+
     /// How many compute graphs were reused instead of rebuilt (llama_perf_context).
     pub fn graphs_reused(&self) -> i32 {
         // SAFETY: valid context; returns a plain struct.

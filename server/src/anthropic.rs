@@ -285,7 +285,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_openai(&body)?)?;
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
-    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model))?;
+    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let rx = app.engine.submit(vec![prompt], params.clone())?;

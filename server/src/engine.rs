@@ -43,6 +43,10 @@ pub struct TaskParams {
     pub return_tokens: bool,
     pub ignore_eos: bool,
     pub t_max_predict_ms: i64,
+    /// Prompt tokens kept when the context shifts (-1: all of the prompt).
+    pub n_keep: i32,
+    /// Tokens dropped per shift (0: half of what is not kept).
+    pub n_discard: i32,
     /// Report the top n_probs tokens of each step (0 = none).
     pub n_probs: usize,
     /// Probabilities after the sampler chain instead of the raw softmax.
@@ -239,6 +243,8 @@ pub struct EngineConfig {
     pub n_predict_default: i32,
     /// --sleep-idle-seconds: free the context after this long without work.
     pub sleep_idle: Option<Duration>,
+    /// --context-shift: drop old tokens instead of stopping when a slot's context is full.
+    pub ctx_shift: bool,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -394,6 +400,7 @@ struct Engine<'m> {
     batch: Batch,
     n_ctx_slot: usize,
     n_predict_default: i32,
+    ctx_shift: bool,
     pending: VecDeque<Task>,
     slot_actions: VecDeque<(SlotAction, oneshot::Sender<Result<Value, ApiError>>)>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
@@ -432,9 +439,13 @@ impl<'m> Engine<'m> {
         let n_ctx = ctx.n_ctx() as usize;
         let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
         let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
+        let ctx_shift = cfg.ctx_shift && ctx.can_shift();
+        if cfg.ctx_shift && !ctx_shift {
+            strata_ffi::log_info("srv  load_model: ctx_shift is not supported by this context, it will be disabled\n");
+        }
         let now = Instant::now();
         let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
-        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics }
+        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, ctx_shift, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics }
     }
 
     fn is_idle(&self) -> bool {
@@ -592,6 +603,35 @@ impl<'m> Engine<'m> {
         Some(a)
     }
 
+    /// llama-server's context shift: when a generating slot's context is full, keep the first
+    /// n_keep tokens, drop the next n_discard (half the rest by default), and slide the others
+    /// back.
+    fn shift_if_full(&mut self, id: usize) {
+        let bos = self.ctx.model().vocab().add_bos();
+        let n_ctx = self.n_ctx_slot as i64;
+        let slot = &mut self.slots[id];
+        let Some(a) = slot.active.as_mut() else { return };
+        let n_tokens = slot.cache.len() as i64;
+        if a.t_gen.is_none() || n_tokens + 1 < n_ctx {
+            return;
+        }
+        let mut n_keep = if a.task.params.n_keep < 0 { a.task.prompt.len() as i64 } else { a.task.params.n_keep as i64 };
+        if bos {
+            n_keep += 1;
+        }
+        let n_keep = n_keep.min(n_ctx - 4).max(0);
+        let n_left = n_tokens - n_keep;
+        let n_discard = if a.task.params.n_discard != 0 { a.task.params.n_discard as i64 } else { n_left / 2 };
+        let n_discard = n_discard.clamp(0, (n_left - 1).max(0));
+        let msg = format!("slot context shift, n_keep = {n_keep}, n_left = {n_left}, n_discard = {n_discard}");
+        let task_id = a.task.id;
+        a.truncated = true;
+        self.ctx.seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32);
+        self.ctx.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
+        slot.cache.drain(n_keep as usize..(n_keep + n_discard) as usize);
+        slot_log("update_slots", id, task_id, &msg);
+    }
+
     /// The timing lines llama-server prints when a request completes (never for a cancelled one).
     fn print_timings(&self, id: usize, t: &Timings, task: u64) {
         let (pp, pn, gp, gn) = (t.prompt_ms, t.prompt_n, t.predicted_ms, t.predicted_n);
@@ -636,6 +676,11 @@ impl<'m> Engine<'m> {
             }
         }
 
+        if self.ctx_shift {
+            for id in 0..self.slots.len() {
+                self.shift_if_full(id);
+            }
+        }
         self.batch.clear();
         let capacity = self.ctx.n_batch() as usize;
         for slot in &mut self.slots {
@@ -696,6 +741,7 @@ impl<'m> Engine<'m> {
     fn sample(&mut self, id: usize, i: i32) {
         let vocab = self.ctx.model().vocab();
         let n_ctx_slot = self.n_ctx_slot;
+        let ctx_shift = self.ctx_shift;
         let slot = &mut self.slots[id];
         let a = slot.active.as_mut().unwrap();
         let token = a.sampler.sample(&mut self.ctx, i);
@@ -726,7 +772,7 @@ impl<'m> Engine<'m> {
         a.tokens.push(token);
 
         if !a.gen.finished() {
-            if slot.cache.len() + 1 >= n_ctx_slot {
+            if !ctx_shift && slot.cache.len() + 1 >= n_ctx_slot {
                 a.truncated = true;
                 a.gen.stop = StopType::Limit;
             } else if a.n_predict_max != -1 && a.n_decoded as i64 >= a.n_predict_max as i64 {

@@ -202,9 +202,10 @@ fn stop_strings(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
-/// The request's fields for one task. `vocab` resolves logit_bias entries given as text, and
-/// `eog` (the model's end-of-generation tokens) is banned when ignore_eos is set, as upstream.
-pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[Token]) -> Result<TaskParams, ApiError> {
+/// The request's fields for one task. `vocab` resolves logit_bias entries given as text,
+/// `eog` (the model's end-of-generation tokens) is banned when ignore_eos is set, as upstream,
+/// and `n_keep_default` is the server's --keep.
+pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[Token], n_keep_default: i64) -> Result<TaskParams, ApiError> {
     let n_predict = match body.get("n_predict") {
         Some(v) if !v.is_null() => int_field(body, "n_predict", -1)?,
         _ => int_field(body, "max_tokens", -1)?,
@@ -237,6 +238,8 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
         return_tokens: flag(body, "return_tokens", false),
         ignore_eos,
         t_max_predict_ms: int_field(body, "t_max_predict_ms", -1)?,
+        n_keep: int_field(body, "n_keep", n_keep_default)? as i32,
+        n_discard: int_field(body, "n_discard", 0)? as i32,
         n_probs: match body.get("n_probs") {
             Some(v) if !v.is_null() => int_field(body, "n_probs", 0)?,
             _ => body.get("logprobs").and_then(Value::as_i64).unwrap_or(0),
@@ -401,8 +404,8 @@ pub fn generation_settings(defaults: &Value, p: &TaskParams) -> Value {
         ("stop", json!(p.stop)),
         ("max_tokens", json!(p.n_predict)),
         ("n_predict", json!(p.n_predict)),
-        ("n_keep", json!(0)),
-        ("n_discard", json!(0)),
+        ("n_keep", json!(p.n_keep)),
+        ("n_discard", json!(p.n_discard)),
         ("ignore_eos", json!(p.ignore_eos)),
         ("stream", json!(p.stream)),
         ("logit_bias", Value::Array(logit_bias)),
@@ -576,7 +579,7 @@ async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
     let model = loaded_model(&engine)?;
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
     let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
-    let params = task_params(&body, Some(model.vocab()), &app.eog(&model))?;
+    let params = task_params(&body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
     let stream = params.stream;
     let n = prompts.len();
     let alias = engine.model_alias().to_string();
@@ -873,15 +876,15 @@ mod tests {
     #[test]
     fn request_fields_become_task_params() {
         let body = json!({"prompt": "x", "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.1, "max_tokens": 7, "stop": "END", "stream": true});
-        let p = task_params(body.as_object().unwrap(), None, &[]).unwrap();
+        let p = task_params(body.as_object().unwrap(), None, &[], 0).unwrap();
         assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.1}));
         assert_eq!(p.n_predict, 7);
         assert_eq!(p.stop, ["END"]);
         assert!(p.stream && p.cache_prompt);
         let bad = json!({"n_predict": "many"});
-        assert_eq!(task_params(bad.as_object().unwrap(), None, &[]).unwrap_err().kind, ErrorType::InvalidRequest);
+        assert_eq!(task_params(bad.as_object().unwrap(), None, &[], 0).unwrap_err().kind, ErrorType::InvalidRequest);
         let bad = json!({"stop": 3});
-        assert!(task_params(bad.as_object().unwrap(), None, &[]).is_err());
+        assert!(task_params(bad.as_object().unwrap(), None, &[], 0).is_err());
     }
 
     async fn call_with(app: Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {

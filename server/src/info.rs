@@ -30,6 +30,8 @@ pub struct ServerInfo {
     pub enable_reasoning: i64,
     pub slot_save_path: String,
     pub api_prefix: String,
+    /// --keep: prompt tokens kept on a context shift.
+    pub n_keep: i64,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
     pub verbose: bool,
 }
@@ -64,6 +66,7 @@ impl ServerInfo {
             enable_reasoning: cfg["enable_reasoning"].as_i64().unwrap_or(-1),
             slot_save_path: s("slot_save_path"),
             api_prefix: s("api_prefix"),
+            n_keep: cfg["n_keep"].as_i64().unwrap_or(0),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
         }
     }

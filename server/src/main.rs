@@ -94,6 +94,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
             kv_unified,
             n_predict_default,
             sleep_idle,
+            ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
         });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

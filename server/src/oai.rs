@@ -97,7 +97,7 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
     }
     oai_common(&mut body)?;
     let prompts = tokenize_prompts(model.vocab(), &prompt)?;
-    let params = task_params(&body, Some(model.vocab()), &app.eog(&model))?;
+    let params = task_params(&body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
     let n = prompts.len();
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
@@ -348,7 +348,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     let n_choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
     let chat = chat_prompt(&app, &model, body)?;
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
-    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model))?;
+    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
     let id = format!("chatcmpl-{}", random_string());
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();

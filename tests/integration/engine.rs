@@ -194,3 +194,20 @@ fn sleep_idle_seconds_frees_the_context_and_a_request_wakes_it() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(server.get("/props").1["is_sleeping"], false);
 }
+
+#[test]
+fn context_shift_keeps_generating_past_a_full_context() {
+    let m = model("tiny-llama.gguf");
+    let args = ["-m", m.to_str().unwrap(), "-c", "256", "-np", "1", "--context-shift"];
+    let server = Server::start(&args, &[]);
+    let (status, body) = server.post("/completion", &json!({"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": true}));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["timings"]["predicted_n"], 400, "{body}");
+    assert_eq!(body["truncated"], true);
+    assert!(server.log.lock().unwrap().contains("slot context shift, n_keep = "));
+
+    let plain = Server::start(&["-m", m.to_str().unwrap(), "-c", "256", "-np", "1"], &[]);
+    let (_, body) = plain.post("/completion", &json!({"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": true}));
+    assert_eq!(body["truncated"], true);
+    assert!(body["timings"]["predicted_n"].as_u64().unwrap() < 256, "{body}");
+}
