@@ -117,6 +117,18 @@ void strata_params_server_defaults(strata_params * p) {
     if (params.model_alias.empty() && !model_name.empty()) {
         params.model_alias.insert(model_name);
     }
+    // Outputs a step may ask for: one per slot, plus drafts (llama-server's server_output_limits).
+    const bool pooled = params.embedding ||
+        (params.pooling_type != LLAMA_POOLING_TYPE_UNSPECIFIED && params.pooling_type != LLAMA_POOLING_TYPE_NONE);
+    if (pooled) {
+        params.n_outputs_max         = params.n_batch;
+        params.n_outputs_max_per_seq = 1;
+    } else {
+        const auto limits = common_speculative_get_output_limits(
+            params.n_batch, params.n_parallel, common_speculative_n_max(&params.speculative));
+        params.n_outputs_max         = std::max<int32_t>(1, limits.total);
+        params.n_outputs_max_per_seq = std::max<int32_t>(1, limits.per_seq);
+    }
 }
 
 void strata_params_free(strata_params * p) {

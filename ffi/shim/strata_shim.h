@@ -39,7 +39,8 @@ strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usag
 void            strata_params_free(strata_params * p);
 
 // The adjustments llama-server's main makes after parsing: n_batch for embeddings, -np auto
-// (4 slots, unified KV), the KV pool from --kv-unified-per-slot, the model name as alias.
+// (4 slots, unified KV), the KV pool from --kv-unified-per-slot, the model name as alias, and
+// the outputs a step may ask for.
 void strata_params_server_defaults(strata_params * p);
 
 // The fields the server reads, as a JSON object (see params_json in strata_shim.cpp).

@@ -540,6 +540,11 @@ impl<'m> Engine<'m> {
             let _ = task.events.send(Event::Error(ApiError::invalid("the prompt is empty")));
             return;
         }
+        let n_vocab = self.ctx.model().vocab().n_tokens();
+        if task.prompt.iter().any(|&t| !(0..n_vocab).contains(&t)) {
+            let _ = task.events.send(Event::Error(ApiError::invalid("Prompt contains invalid tokens")));
+            return;
+        }
         if n_prompt >= self.n_ctx_slot {
             let err = ApiError::new(
                 ErrorType::ExceedContextSize,
@@ -686,6 +691,10 @@ impl<'m> Engine<'m> {
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             a.i_batch = None;
+            // With more generating slots than -b, the rest wait for the next step.
+            if self.batch.len() >= capacity {
+                continue;
+            }
             if let Some(t) = a.sampled.take() {
                 a.i_batch = Some(self.batch.len() as i32);
                 self.batch.add(t, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");

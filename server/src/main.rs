@@ -77,6 +77,11 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let n_predict_default = cfg["n_predict"].as_i64().unwrap_or(-1) as i32;
     let n_parallel = cfg["n_parallel"].as_u64().unwrap_or(1) as usize;
     let kv_unified = cfg["kv_unified"].as_bool().unwrap_or(false);
+    let n_batch = cfg["n_batch"].as_u64().unwrap_or(2048) as usize;
+    // llama.cpp reserves one output per sequence but at most n_batch outputs: it would abort.
+    if n_parallel > n_batch {
+        anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
+    }
 
     let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
