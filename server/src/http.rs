@@ -59,7 +59,7 @@ impl App {
     }
 }
 
-pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
+pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::Gcp>) -> Router {
     let app = App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() };
     let routes = Router::new()
         .route("/health", get(health))
@@ -81,17 +81,19 @@ pub fn router(engine: EngineHandle, info: ServerInfo) -> Router {
         .route("/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/v1/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/tokenize", post(tokenize))
-        .route("/detokenize", post(detokenize));
+        .route("/detokenize", post(detokenize))
+        .with_state(app.clone());
     // --api-prefix puts every route under one path, as llama-server does.
-    let routes = match app.info.api_prefix.as_str() {
-        "" => routes,
-        prefix => Router::new().nest(prefix, routes),
+    let prefix = app.info.api_prefix.clone();
+    let routes = if prefix.is_empty() { routes } else { Router::new().nest(&prefix, routes) };
+    let routes = match gcp {
+        Some(g) => crate::gcp::with_routes(routes, g, &prefix),
+        None => routes,
     };
     routes
         .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(app.clone(), gate))
+        .layer(axum::middleware::from_fn_with_state(app, gate))
         .layer(axum::middleware::map_response(server_header))
-        .with_state(app)
 }
 
 const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
@@ -840,18 +842,18 @@ mod tests {
 
     #[tokio::test]
     async fn health_is_503_while_loading_then_ok() {
-        let (s, v, server) = call(router(engine(State::Loading), ServerInfo::default()), "GET", "/health", "").await;
+        let (s, v, server) = call(router(engine(State::Loading), ServerInfo::default(), None), "GET", "/health", "").await;
         assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(v, json!({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}));
         assert_eq!(server.as_deref(), Some("llama.cpp"));
-        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "GET", "/health", "").await;
+        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default(), None), "GET", "/health", "").await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(v, json!({"status": "ok"}));
     }
 
     #[tokio::test]
     async fn completion_before_the_model_is_loaded_is_503() {
-        let (s, v, _) = call(router(engine(State::Loading), ServerInfo::default()), "POST", "/completion", r#"{"prompt":"abc"}"#).await;
+        let (s, v, _) = call(router(engine(State::Loading), ServerInfo::default(), None), "POST", "/completion", r#"{"prompt":"abc"}"#).await;
         assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(v["error"]["message"], "Loading model");
     }
@@ -859,7 +861,7 @@ mod tests {
     #[tokio::test]
     async fn malformed_json_gets_the_llama_cpp_error_shape() {
         for body in ["{not json", "[1,2]"] {
-            let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "POST", "/completion", body).await;
+            let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default(), None), "POST", "/completion", body).await;
             assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
             assert_eq!(v["error"]["code"], 400);
@@ -868,7 +870,7 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_route_is_404_in_llama_cpp_shape() {
-        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default()), "GET", "/nope", "").await;
+        let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default(), None), "GET", "/nope", "").await;
         assert_eq!(s, StatusCode::NOT_FOUND);
         assert_eq!(v["error"]["type"], "not_found_error");
     }
@@ -903,7 +905,7 @@ mod tests {
             }
             b.body(Body::empty()).unwrap()
         };
-        let app = || router(engine(State::Ready), info.clone());
+        let app = || router(engine(State::Ready), info.clone(), None);
         let (s, _, body) = call_with(app(), get("/models", None)).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED);
         assert_eq!(&body[..], br#"{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}"#);
@@ -928,11 +930,11 @@ mod tests {
         let preflight = |origin: &str| {
             Request::builder().method("OPTIONS").uri("/completions").header("origin", origin).body(Body::empty()).unwrap()
         };
-        let (s, h, _) = call_with(router(engine(State::Ready), info.clone()), preflight("http://localhost:3000")).await;
+        let (s, h, _) = call_with(router(engine(State::Ready), info.clone(), None), preflight("http://localhost:3000")).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(h["access-control-allow-origin"], "http://localhost:3000");
         assert_eq!(h["access-control-allow-methods"], "GET, POST");
-        let (_, h, _) = call_with(router(engine(State::Ready), info), preflight("http://evil.example")).await;
+        let (_, h, _) = call_with(router(engine(State::Ready), info, None), preflight("http://evil.example")).await;
         assert!(h.get("access-control-allow-origin").is_none());
     }
 }

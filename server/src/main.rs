@@ -4,6 +4,7 @@ mod anthropic;
 mod engine;
 mod error;
 mod flags;
+mod gcp;
 mod generation;
 mod http;
 mod info;
@@ -63,7 +64,8 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         .map(|a| a.iter().filter_map(|h| h.as_str().map(String::from)).collect())
         .filter(|h: &Vec<String>| !h.is_empty())
         .unwrap_or_else(|| vec!["127.0.0.1".into()]);
-    let port = cfg["port"].as_i64().unwrap_or(8080);
+    let gcp = gcp::Gcp::from_env();
+    let port = gcp.as_ref().and_then(|g| g.port).map_or(cfg["port"].as_i64().unwrap_or(8080), i64::from);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
     if model_path.as_os_str().is_empty() {
         anyhow::bail!("no model given (-m); llama-server's router mode is not supported by strata-server yet");
@@ -115,7 +117,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
-        let app = http::router(engine, info);
+        let app = http::router(engine, info, gcp.as_ref());
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
         }
