@@ -50,11 +50,11 @@ fn finish_reason(f: &Final, has_tool_calls: bool) -> &'static str {
     }
 }
 
-/// Adds llama-server's debugging `__verbose` (the /completion answer) when asked, then the
-/// timings, in upstream's order.
-fn with_verbose(verbose: bool, f: &Final, model: &str, mut v: Value) -> Value {
+/// Adds llama-server's debugging `__verbose` (the /completion answer for `prompt`) when asked,
+/// then the timings, in upstream's order.
+fn with_verbose(verbose: bool, f: &Final, model: &str, prompt: &str, mut v: Value) -> Value {
     if verbose {
-        v["__verbose"] = final_json(f, model, "");
+        v["__verbose"] = final_json(f, model, prompt);
     }
     v["timings"] = timings_json(&f.timings);
     v
@@ -115,7 +115,7 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
                 "object": "text_completion",
                 "id": id,
             })],
-            Event::Final(f) => vec![with_verbose(verbose, f, &alias, json!({
+            Event::Final(f) => vec![with_verbose(verbose, f, &alias, "", json!({
                 "choices": [{
                     "text": f.content,
                     "index": f.index,
@@ -426,7 +426,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
         if !f.probs.is_empty() {
             choice["logprobs"] = json!({"content": probs_json(&f.probs, post)});
         }
-        let mut res = json!({
+        let res = json!({
             "choices": [choice],
             "created": now(),
             "model": alias,
@@ -435,11 +435,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
             "usage": usage(f),
             "id": id,
         });
-        if verbose {
-            res["__verbose"] = final_json(f, &alias, &prompt_text);
-        }
-        res["timings"] = timings_json(&f.timings);
-        vec![res]
+        vec![with_verbose(verbose, f, &alias, &prompt_text, res)]
     };
     let mut parts = collect_values(rx, n_choices, render).await?;
     let mut merged = parts.remove(0);
