@@ -194,6 +194,7 @@ char * strata_params_json(const strata_params * p) {
         {"n_parallel", c.n_parallel},
         {"kv_unified", c.kv_unified},
         {"n_predict", c.n_predict},
+        {"spm_infill", c.spm_infill},
         {"n_cache_reuse", c.n_cache_reuse},
         {"cache_ram_mib", c.cache_ram_mib},
         {"ctx_shift", c.ctx_shift},

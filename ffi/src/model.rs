@@ -158,6 +158,29 @@ impl Vocab<'_> {
         unsafe { sys::llama_vocab_eos(self.ptr.as_ptr()) }
     }
 
+    fn special(&self, f: unsafe extern "C" fn(*const sys::llama_vocab) -> Token) -> Option<Token> {
+        // SAFETY: valid vocab; these accessors only read it.
+        let t = unsafe { f(self.ptr.as_ptr()) };
+        (t != sys::LLAMA_TOKEN_NULL).then_some(t)
+    }
+
+    /// Fill-in-the-middle tokens: prefix, suffix, middle, repository, file separator.
+    pub fn fim_pre(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_fim_pre)
+    }
+    pub fn fim_suf(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_fim_suf)
+    }
+    pub fn fim_mid(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_fim_mid)
+    }
+    pub fn fim_rep(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_fim_rep)
+    }
+    pub fn fim_sep(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_fim_sep)
+    }
+
     pub fn is_eog(&self, t: Token) -> bool {
         // SAFETY: valid vocab; out-of-range tokens are handled by llama.cpp.
         unsafe { sys::llama_vocab_is_eog(self.ptr.as_ptr(), t) }

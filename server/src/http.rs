@@ -80,6 +80,7 @@ pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::G
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/v1/chat/completions/input_tokens", post(oai::chat_input_tokens))
+        .route("/infill", post(crate::infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .with_state(app.clone());
@@ -576,16 +577,20 @@ pub fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Toke
 }
 
 async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
-    let engine = &app.engine;
     let body = parse_body(&body)?;
-    let model = loaded_model(&engine)?;
+    let model = loaded_model(&app.engine)?;
     let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
     let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
-    let params = task_params(&body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
+    run_completion(&app, model, &body, prompts).await
+}
+
+/// Runs prompts as llama-server's own (non-OpenAI) completion and answers in its format.
+pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Value>, prompts: Vec<Vec<Token>>) -> Result<Response, ApiError> {
+    let params = task_params(body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
     let stream = params.stream;
     let n = prompts.len();
-    let alias = engine.model_alias().to_string();
-    let rx = engine.submit(prompts.clone(), params.clone())?;
+    let alias = app.engine.model_alias().to_string();
+    let rx = app.engine.submit(prompts.clone(), params.clone())?;
     let post = params.post_sampling_probs;
     let settings = generation_settings(&app.info.sampling, &params);
     let fields: Vec<String> = body
@@ -727,7 +732,7 @@ fn flag(body: &Map<String, Value>, key: &str, default: bool) -> bool {
 
 /// A prompt given as a string, or an array mixing strings and token ids; only a leading string
 /// gets the special (BOS) tokens, as in llama-server's tokenize_mixed.
-fn tokenize_mixed(vocab: Vocab<'_>, prompt: &Value, add_special: bool, parse_special: bool) -> Result<Vec<Token>, ApiError> {
+pub fn tokenize_mixed(vocab: Vocab<'_>, prompt: &Value, add_special: bool, parse_special: bool) -> Result<Vec<Token>, ApiError> {
     let text = |s: &str, special: bool| vocab.tokenize(s, special, parse_special).map_err(|e| ApiError::invalid(e.to_string()));
     match prompt {
         Value::String(s) => text(s, add_special),

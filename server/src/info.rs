@@ -32,6 +32,10 @@ pub struct ServerInfo {
     pub api_prefix: String,
     /// --keep: prompt tokens kept on a context shift.
     pub n_keep: i64,
+    pub n_batch: usize,
+    pub n_predict: i64,
+    /// --spm-infill: suffix before prefix in infill prompts.
+    pub spm_infill: bool,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
     pub verbose: bool,
 }
@@ -67,6 +71,9 @@ impl ServerInfo {
             slot_save_path: s("slot_save_path"),
             api_prefix: s("api_prefix"),
             n_keep: cfg["n_keep"].as_i64().unwrap_or(0),
+            n_batch: cfg["n_batch"].as_u64().unwrap_or(2048) as usize,
+            n_predict: cfg["n_predict"].as_i64().unwrap_or(-1),
+            spm_infill: b("spm_infill"),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
         }
     }

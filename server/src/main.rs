@@ -7,6 +7,7 @@ mod flags;
 mod gcp;
 mod generation;
 mod http;
+mod infill;
 mod info;
 mod metrics;
 mod oai;

@@ -29,3 +29,39 @@ fn tokenize_and_detokenize_round_trip() {
     let (status, body) = server.post("/completion", &json!({"prompt": "Hi", "n_predict": 2}));
     assert_eq!(status, 200, "the server must keep answering after bad input: {body}");
 }
+
+/// The infill prompt (FIM layout, truncation, extra context) equals the pinned llama-server's for
+/// the same request (tools/golden), and bad requests get its errors.
+#[test]
+fn infill_builds_upstreams_prompt_and_refuses_models_without_fim() {
+    let fim = model("tiny-llama-fim.gguf");
+    // (golden, server flags): the second leaves room for the extra context chunks.
+    for (name, flags) in [("infill", vec!["-c", "512"]), ("infill-extra", vec!["-c", "4096", "-b", "256", "-ub", "256"])] {
+        let mut args = vec!["-m", fim.to_str().unwrap()];
+        args.extend(flags);
+        let server = Server::start(&args, &[]);
+        let req: serde_json::Value = serde_json::from_str(&crate::support::golden(&format!("llama-server/{name}.request.json"))).unwrap();
+        let upstream: serde_json::Value = serde_json::from_str(&crate::support::golden(&format!("llama-server/{name}.json"))).unwrap();
+        let (status, body) = server.post("/infill", &req);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["prompt"], upstream["prompt"], "{name}");
+        assert_eq!(body["tokens_evaluated"], upstream["tokens_evaluated"], "{name}");
+        assert_eq!(body["tokens_predicted"], 4);
+    }
+    let server = Server::start(&["-m", fim.to_str().unwrap()], &[]);
+
+    for (bad, msg) in [
+        (json!({"input_suffix": "x"}), "\"input_prefix\" is required"),
+        (json!({"input_prefix": "x"}), "\"input_suffix\" is required"),
+        (json!({"input_prefix": "x", "input_suffix": "y", "input_extra": [{"filename": "a"}]}), "extra_context chunk must contain"),
+    ] {
+        let (status, body) = server.post("/infill", &bad);
+        assert_eq!(status, 400, "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(msg), "{body}");
+    }
+
+    let plain = Server::start(&["-m", model("tiny-llama.gguf").to_str().unwrap()], &[]);
+    let (status, body) = plain.post("/infill", &json!({"input_prefix": "a", "input_suffix": "b"}));
+    assert_eq!(status, 501, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().starts_with("Infill is not supported by this model"));
+}
