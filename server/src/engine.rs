@@ -294,7 +294,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
                 return;
             }
         };
-        let mut engine = Engine::new(ctx, &cfg, shared.metrics.clone());
+        let mut engine = Engine::new(ctx, &cfg, shared);
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);
@@ -351,16 +351,7 @@ fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, shared: &Sh
         }
         engine.run_slot_actions();
         let worked = engine.step();
-        let busy: Vec<bool> = engine.slots.iter().map(|s| s.active.is_some()).collect();
-        if let Ok(mut m) = shared.metrics.lock() {
-            m.n_processing = busy.iter().filter(|&&b| b).count();
-            m.n_deferred = engine.pending.len();
-        }
-        shared.busy.send_if_modified(|b| {
-            let changed = *b != busy;
-            *b = busy;
-            changed
-        });
+        engine.publish();
         if !worked && !engine.pending.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -404,6 +395,7 @@ struct Engine<'m> {
     pending: VecDeque<Task>,
     slot_actions: VecDeque<(SlotAction, oneshot::Sender<Result<Value, ApiError>>)>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
+    shared: &'m Shared,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -434,7 +426,8 @@ fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl<'m> Engine<'m> {
-    fn new(ctx: Context<'m>, cfg: &'m EngineConfig, metrics: Arc<std::sync::Mutex<Metrics>>) -> Self {
+    fn new(ctx: Context<'m>, cfg: &'m EngineConfig, shared: &'m Shared) -> Self {
+        let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
         let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
@@ -445,7 +438,7 @@ impl<'m> Engine<'m> {
         }
         let now = Instant::now();
         let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
-        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, ctx_shift, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics }
+        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, ctx_shift, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics, shared }
     }
 
     fn is_idle(&self) -> bool {
@@ -605,7 +598,24 @@ impl<'m> Engine<'m> {
         let a = slot.active.take()?;
         let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);
         slot_log("release", id, a.task.id, &msg);
+        // Before the final answer goes out, so a client that reads /slots or /metrics right
+        // after it sees the slot idle.
+        self.publish();
         Some(a)
+    }
+
+    /// Slot occupancy for /slots and the request gauges of /metrics.
+    fn publish(&self) {
+        let busy: Vec<bool> = self.slots.iter().map(|s| s.active.is_some()).collect();
+        if let Ok(mut m) = self.metrics.lock() {
+            m.n_processing = busy.iter().filter(|&&b| b).count();
+            m.n_deferred = self.pending.len();
+        }
+        self.shared.busy.send_if_modified(|b| {
+            let changed = *b != busy;
+            *b = busy;
+            changed
+        });
     }
 
     /// llama-server's context shift: when a generating slot's context is full, keep the first
