@@ -371,6 +371,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
 
 pub async fn count_tokens(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
+    app.engine.wake().await;
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_openai(&body)?)?;
     let n = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0).len();

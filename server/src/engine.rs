@@ -76,6 +76,8 @@ pub enum SlotAction {
 pub enum Job {
     Task(Task),
     Slot(SlotAction, oneshot::Sender<Result<Value, ApiError>>),
+    /// Answered once the engine is awake (its context re-created after sleeping).
+    Wake(oneshot::Sender<()>),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -217,6 +219,18 @@ impl EngineHandle {
             })?;
         }
         Ok(rx)
+    }
+
+    /// Wakes a sleeping engine and waits until its context is back, as any request that
+    /// llama-server routes through its task queue does.
+    pub async fn wake(&self) {
+        if !self.is_sleeping() {
+            return;
+        }
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Job::Wake(reply)).await.is_ok() {
+            let _ = rx.await;
+        }
     }
 
     /// Runs a slot action once its slot is idle.
@@ -449,6 +463,9 @@ impl<'m> Engine<'m> {
         match job {
             Job::Task(t) => self.pending.push_back(t),
             Job::Slot(a, reply) => self.slot_actions.push_back((a, reply)),
+            Job::Wake(reply) => {
+                let _ = reply.send(());
+            }
         }
     }
 

@@ -758,6 +758,7 @@ fn token_id(v: &Value) -> Result<Token, ApiError> {
 
 async fn tokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
+    engine.wake().await;
     let model = loaded_model(&engine)?;
     let vocab = model.vocab();
     let Some(content) = body.get("content") else {
@@ -783,6 +784,7 @@ async fn tokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Res
 
 async fn detokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
+    engine.wake().await;
     let model = loaded_model(&engine)?;
     let tokens: Vec<Token> = match body.get("tokens") {
         None => Vec::new(),

@@ -315,6 +315,7 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
 
 pub async fn apply_template(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
+    app.engine.wake().await;
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, body)?;
     Ok(Json(json!({"prompt": chat.prompt})))
@@ -323,6 +324,7 @@ pub async fn apply_template(AxState(app): AxState<App>, body: Bytes) -> Result<J
 /// How many tokens a chat request's prompt takes (the `input_tokens` routes).
 pub async fn chat_input_tokens(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
+    app.engine.wake().await;
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, body)?;
     let n = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0).len();

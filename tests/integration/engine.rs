@@ -190,9 +190,18 @@ fn sleep_idle_seconds_frees_the_context_and_a_request_wakes_it() {
         std::thread::sleep(Duration::from_millis(100));
     }
     assert_eq!(server.get("/health").0, 200);
+    assert_eq!(server.get("/props").1["is_sleeping"], true, "read-only routes do not wake it");
     let (status, body) = server.post("/completion", &json!({"prompt": "Hello", "n_predict": 2}));
     assert_eq!(status, 200, "{body}");
     assert_eq!(server.get("/props").1["is_sleeping"], false);
+
+    while server.get("/props").1["is_sleeping"] != true {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the server did not go back to sleep");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, _) = server.post("/tokenize", &json!({"content": "Hello"}));
+    assert_eq!(status, 200);
+    assert_eq!(server.get("/props").1["is_sleeping"], false, "tokenizing wakes it, as upstream");
 }
 
 #[test]
