@@ -31,11 +31,6 @@ impl ContextParams {
         self.raw.n_threads_batch = n;
         self
     }
-
-    pub fn with_seq_max(mut self, n: u32) -> Self {
-        self.raw.n_seq_max = n;
-        self
-    }
 }
 
 impl Default for ContextParams {
@@ -95,12 +90,6 @@ impl<'m> Context<'m> {
         (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n_vocab) })
     }
 
-    /// Clears the KV cache / memory of every sequence.
-    pub fn clear_memory(&mut self) {
-        // SAFETY: valid context; the memory handle lives as long as it.
-        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ptr.as_ptr()), true) }
-    }
-
     /// Removes positions [p0, p1) of sequence `seq` from the KV cache (p1 < 0: to the end).
     /// Returns false when the memory cannot remove a partial range (recurrent models).
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> bool {
@@ -149,16 +138,6 @@ impl<'m> Context<'m> {
         }
         tokens.truncate(n);
         Some((read, tokens))
-    }
-
-    /// Greedy argmax over the logits of output i.
-    pub fn argmax(&mut self, i: i32) -> Option<Token> {
-        let logits = self.logits_ith(i)?;
-        let (best, _) = logits
-            .iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (j, &v)| if v > bv { (j, v) } else { (bi, bv) });
-        Some(best as Token)
     }
 }
 
