@@ -62,6 +62,10 @@ fn build_llama(src: &Path) -> PathBuf {
         variant.push_str("-hip");
     }
     let build_root = target_dir.join("llama.cpp").join(&variant);
+    std::fs::create_dir_all(&build_root).expect("create the llama.cpp build directory");
+    // Canonical paths: checkouts that link to one shared build configure it identically.
+    let build_root = build_root.canonicalize().expect("canonical build directory");
+    let src = &src.canonicalize().expect("canonical llama.cpp source directory");
     let bin = build_root.join("build").join("bin");
 
     let mut cfg = cmake::Config::new(src);

@@ -86,6 +86,16 @@ void strata_log_info(const char * text) {
     LOG_INF("%s", text);
 }
 
+void strata_log(int level, const char * text) {
+    switch (level) {
+        case 1:  LOG_ERR("%s", text); break;
+        case 2:  LOG_WRN("%s", text); break;
+        case 4:  LOG_TRC("%s", text); break;
+        case 5:  LOG_DBG("%s", text); break;
+        default: LOG_INF("%s", text); break;
+    }
+}
+
 // ---- arguments ------------------------------------------------------------------------------
 
 strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage) {
@@ -197,6 +207,8 @@ char * strata_params_json(const strata_params * p) {
         {"spm_infill", c.spm_infill},
         {"n_cache_reuse", c.n_cache_reuse},
         {"cache_ram_mib", c.cache_ram_mib},
+        {"cache_idle_slots", c.cache_idle_slots},
+        {"slot_prompt_similarity", c.slot_prompt_similarity},
         {"ctx_shift", c.ctx_shift},
         {"cont_batching", c.cont_batching},
         {"chat_template", c.chat_template},

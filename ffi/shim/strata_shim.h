@@ -24,6 +24,8 @@ void strata_common_init(void);
 
 // One INFO line through llama.cpp's logger (its prefix, timestamps and verbosity filter).
 void strata_log_info(const char * text);
+// level: 1 error, 2 warning, 3 info, 4 trace, 5 debug (common/log.h's LOG_LEVEL_*)
+void strata_log(int level, const char * text);
 
 // ---- arguments ------------------------------------------------------------------------------
 

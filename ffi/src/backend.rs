@@ -77,7 +77,22 @@ pub fn flush_c_stdio() {
 
 /// Writes one INFO line through llama.cpp's logger, so it reads like llama-server's own.
 pub fn log_info(line: &str) {
+    log(Verbosity::Info, line);
+}
+
+/// Verbosity levels of llama.cpp's common logger (common/log.h's LOG_LEVEL_*).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verbosity {
+    Error = 1,
+    Warn = 2,
+    Info = 3,
+    Trace = 4,
+    Debug = 5,
+}
+
+/// Writes one line through llama.cpp's logger at `level` (shown only at that verbosity or more).
+pub fn log(level: Verbosity, line: &str) {
     let Ok(c) = std::ffi::CString::new(line) else { return };
     // SAFETY: a valid NUL-terminated string for the duration of the call.
-    unsafe { sys::strata_log_info(c.as_ptr()) }
+    unsafe { sys::strata_log(level as i32, c.as_ptr()) }
 }

@@ -123,6 +123,34 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_state_seq_save_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_ptr(), tokens.len()) }
     }
 
+    /// The size in bytes of sequence `seq`'s whole state.
+    pub fn seq_state_size(&self, seq: i32) -> usize {
+        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
+        // SAFETY: valid context; the size query has no other preconditions.
+        unsafe { sys::llama_state_seq_get_size_ext(self.ptr.as_ptr(), seq, flags) }
+    }
+
+    /// A copy of sequence `seq`'s whole state (KV and recurrent), or None if it cannot be read.
+    pub fn seq_state(&self, seq: i32) -> Option<Vec<u8>> {
+        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
+        let size = self.seq_state_size(seq);
+        let mut data = Vec::new();
+        data.try_reserve_exact(size).ok()?;
+        data.resize(size, 0);
+        // SAFETY: valid context; data has room for exactly `size` bytes.
+        let n = unsafe { sys::llama_state_seq_get_data_ext(self.ptr.as_ptr(), data.as_mut_ptr(), size, seq, flags) };
+        (n == size).then_some(data)
+    }
+
+    /// Replaces sequence `seq`'s state with one taken by [`Context::seq_state`]; false if it
+    /// does not fit or does not match this context.
+    pub fn set_seq_state(&mut self, seq: i32, data: &[u8]) -> bool {
+        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
+        // SAFETY: valid context; data is a readable slice of data.len() bytes.
+        let n = unsafe { sys::llama_state_seq_set_data_ext(self.ptr.as_ptr(), data.as_ptr(), data.len(), seq, flags) };
+        n == data.len()
+    }
+
     /// Loads a saved sequence into `seq`: (bytes read, tokens), or None when the file is not a
     /// valid save for this context or its tokens do not fit in `max_tokens`.
     pub fn load_seq(&mut self, path: &std::path::Path, seq: i32, max_tokens: usize) -> Option<(usize, Vec<Token>)> {

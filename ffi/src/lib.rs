@@ -20,7 +20,7 @@ mod sampler;
 mod shim_string;
 mod speculative;
 
-pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log_info, set_log_callback, LogLevel};
+pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, LogLevel, Verbosity};
 pub use batch::Batch;
 pub use chat::{build_info, chat_msg_diffs, json_schema_to_grammar, parse_chat_message, validate_filename, ChatTemplates};
 pub use context::{Context, ContextParams};

@@ -12,17 +12,16 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Token};
+use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Token, Verbosity};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::{ApiError, ErrorType};
 use crate::generation::{Generation, StopType};
 use crate::metrics::Metrics;
+use crate::prompt_cache::PromptCache;
 
 /// Requests waiting for the engine; beyond this, handlers answer 503 at once.
 pub const QUEUE_DEPTH: usize = 64;
-/// llama-server's --slot-prompt-similarity default: reuse a slot whose cache shares this much.
-const SLOT_PROMPT_SIMILARITY: f32 = 0.1;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
@@ -51,6 +50,10 @@ pub struct TaskParams {
     pub n_probs: usize,
     /// Probabilities after the sampler chain instead of the raw softmax.
     pub post_sampling_probs: bool,
+    /// Timings in every streamed chunk, not only the last.
+    pub timings_per_token: bool,
+    /// Streamed prompt-processing progress: one chunk at the start and one per prompt batch.
+    pub return_progress: bool,
     /// common_params_sampling overrides (see strata_ffi::Sampler::new).
     pub sampling: Value,
 }
@@ -131,6 +134,17 @@ pub struct Partial {
     pub n_decoded: usize,
     pub n_prompt: usize,
     pub probs: Option<TokenProbs>,
+    pub timings: Option<Timings>,
+    /// Set on prompt-progress chunks, which carry no token.
+    pub progress: Option<Progress>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Progress {
+    pub total: usize,
+    pub cache: usize,
+    pub processed: usize,
+    pub time_ms: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -259,6 +273,13 @@ pub struct EngineConfig {
     pub sleep_idle: Option<Duration>,
     /// --context-shift: drop old tokens instead of stopping when a slot's context is full.
     pub ctx_shift: bool,
+    /// --cache-ram in MiB: -1 no limit, 0 no host-RAM prompt cache.
+    pub cache_ram_mib: i32,
+    /// --cache-idle-slots: copy idle slots to the prompt cache when a task starts (and, with a
+    /// unified KV cache, clear them to make room).
+    pub cache_idle_slots: bool,
+    /// --slot-prompt-similarity: reuse a slot whose cache shares this fraction of the prompt.
+    pub slot_prompt_similarity: f32,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -388,6 +409,46 @@ struct Active {
     t_prompt: Instant,
     prompt_ms: f64,
     t_gen: Option<Instant>,
+    /// Prompt tokens went into the current batch.
+    prompt_in_batch: bool,
+}
+
+impl Active {
+    fn timings(&self, n_cache: usize) -> Timings {
+        Timings {
+            cache_n: self.n_cached,
+            prompt_n: n_cache.min(self.task.prompt.len()) - self.n_cached,
+            prompt_ms: self.prompt_ms,
+            predicted_n: self.n_decoded,
+            predicted_ms: self.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64().max(1e-6) * 1e3),
+        }
+    }
+
+    /// A prompt-progress chunk for a streamed task that asked for one; false if the client
+    /// is gone.
+    fn send_progress(&self, id_slot: usize, n_cache: usize) -> bool {
+        let p = &self.task.params;
+        if !(p.stream && p.return_progress) {
+            return true;
+        }
+        let partial = Partial {
+            index: self.task.index,
+            content: String::new(),
+            tokens: Vec::new(),
+            id_slot,
+            n_decoded: self.n_decoded,
+            n_prompt: self.task.prompt.len(),
+            probs: None,
+            timings: p.timings_per_token.then(|| self.timings(n_cache)),
+            progress: Some(Progress {
+                total: self.task.prompt.len(),
+                cache: self.n_cached,
+                processed: n_cache,
+                time_ms: self.t_prompt.elapsed().as_millis() as u64,
+            }),
+        };
+        self.task.events.send(Event::Partial(partial)).is_ok()
+    }
 }
 
 struct Slot {
@@ -410,6 +471,10 @@ struct Engine<'m> {
     slot_actions: VecDeque<(SlotAction, oneshot::Sender<Result<Value, ApiError>>)>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
     shared: &'m Shared,
+    prompt_cache: Option<PromptCache>,
+    cache_idle_slots: bool,
+    kv_unified: bool,
+    slot_prompt_similarity: f32,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -431,11 +496,20 @@ fn softmax_top(logits: &[f32], n: usize, token: Token) -> (f32, Vec<(Token, f32)
 
 /// A slot log line in llama-server's format: `slot <func>: id <slot> | task <task> | <msg>`.
 fn slot_log(func: &str, slot: usize, task: u64, msg: &str) {
-    let func = &func[..func.len().min(12)];
-    strata_ffi::log_info(&format!("slot {func:>12}: id {slot:2} | task {task} | {msg}\n"));
+    slot_log_at(Verbosity::Info, func, slot, task as i64, msg);
 }
 
-fn common_prefix(a: &[Token], b: &[Token]) -> usize {
+fn slot_log_at(level: Verbosity, func: &str, slot: usize, task: i64, msg: &str) {
+    let func = &func[..func.len().min(12)];
+    strata_ffi::log(level, &format!("slot {func:>12}: id {slot:2} | task {task} | {msg}\n"));
+}
+
+fn srv_log(level: Verbosity, func: &str, msg: &str) {
+    let func = &func[..func.len().min(12)];
+    strata_ffi::log(level, &format!("srv  {func:>12}: {msg}\n"));
+}
+
+pub(crate) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
@@ -452,7 +526,46 @@ impl<'m> Engine<'m> {
         }
         let now = Instant::now();
         let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
-        Self { ctx, params: &cfg.params, slots, batch, n_ctx_slot, n_predict_default: cfg.n_predict_default, ctx_shift, pending: VecDeque::new(), slot_actions: VecDeque::new(), metrics, shared }
+        let prompt_cache = match cfg.cache_ram_mib {
+            0 => {
+                srv_log(Verbosity::Trace, "load_model", "prompt cache is disabled - use `--cache-ram N` to enable it");
+                None
+            }
+            mib => {
+                let limit = if mib < 0 { "no limit".to_string() } else { format!("{mib} MiB") };
+                srv_log(Verbosity::Trace, "load_model", &format!("prompt cache is enabled, size limit: {limit}"));
+                srv_log(Verbosity::Trace, "load_model", "use `--cache-ram 0` to disable the prompt cache");
+                Some(PromptCache::new(mib, n_ctx))
+            }
+        };
+        let mut cache_idle_slots = cfg.cache_idle_slots;
+        if cache_idle_slots {
+            if prompt_cache.is_none() {
+                srv_log(Verbosity::Warn, "init", "--cache-idle-slots requires --cache-ram, disabling");
+                cache_idle_slots = false;
+            } else {
+                let what = if cfg.kv_unified { "saved to prompt cache and cleared" } else { "saved to prompt cache" };
+                srv_log(Verbosity::Trace, "init", &format!("idle slots will be {what} upon starting a new task"));
+                srv_log(Verbosity::Debug, "init", "__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__");
+            }
+        }
+        Self {
+            ctx,
+            params: &cfg.params,
+            slots,
+            batch,
+            n_ctx_slot,
+            n_predict_default: cfg.n_predict_default,
+            ctx_shift,
+            pending: VecDeque::new(),
+            slot_actions: VecDeque::new(),
+            metrics,
+            shared,
+            prompt_cache,
+            cache_idle_slots,
+            kv_unified: cfg.kv_unified,
+            slot_prompt_similarity: cfg.slot_prompt_similarity,
+        }
     }
 
     fn is_idle(&self) -> bool {
@@ -528,20 +641,75 @@ impl<'m> Engine<'m> {
         }
     }
 
-    /// The idle slot for a task: the one asked for, else the one whose cache shares the most
-    /// of the prompt (above the similarity threshold), else the least recently used.
-    fn pick_slot(&self, task: &Task) -> Option<usize> {
-        if task.params.id_slot >= 0 {
-            let id = task.params.id_slot as usize;
-            return self.slots.get(id).filter(|s| s.active.is_none()).map(|s| s.id);
+    /// The idle slot for a task, and whether its cache should go through the prompt cache
+    /// first: the slot asked for, else the one whose cache shares the most of the prompt (above
+    /// the similarity threshold), else the least recently used (llama-server's
+    /// get_available_slot).
+    fn pick_slot(&self, task: &Task) -> Option<(usize, bool)> {
+        let asked = (task.params.id_slot >= 0).then_some(task.params.id_slot as usize);
+        if let Some(id) = asked {
+            self.slots.get(id).filter(|s| s.active.is_none())?;
         }
-        let idle = self.slots.iter().filter(|s| s.active.is_none());
-        let similar = idle
-            .clone()
-            .map(|s| (s.id, common_prefix(&s.cache, &task.prompt)))
-            .filter(|&(_, n)| n > 0 && n as f32 / task.prompt.len().max(1) as f32 > SLOT_PROMPT_SIMILARITY)
-            .max_by_key(|&(_, n)| n);
-        similar.map(|(id, _)| id).or_else(|| idle.min_by_key(|s| s.last_used).map(|s| s.id))
+        let idle = self.slots.iter().filter(|s| s.active.is_none() && asked.is_none_or(|id| id == s.id));
+        if self.slot_prompt_similarity != 0.0 {
+            let n_prompt = task.prompt.len().max(1) as f32;
+            let similar = idle
+                .clone()
+                .filter(|s| !s.cache.is_empty())
+                .map(|s| (s, common_prefix(&s.cache, &task.prompt)))
+                .filter(|&(_, n)| n as f32 / n_prompt > self.slot_prompt_similarity)
+                .max_by_key(|&(_, n)| n);
+            if let Some((s, n)) = similar {
+                // about to lose much of the slot's context: keep a copy in the prompt cache
+                return Some((s.id, (n as f32) / (s.cache.len() as f32) < 0.5));
+            }
+        }
+        if let Some(id) = asked {
+            return Some((id, false));
+        }
+        idle.min_by_key(|s| s.last_used).map(|s| (s.id, true))
+    }
+
+    /// Saves slot `id`'s sequence to the prompt cache, then restores the cached prompt that
+    /// serves `prompt` best, if one beats what the slot holds.
+    fn swap_through_prompt_cache(&mut self, id: usize, prompt: &[Token]) {
+        let Some(cache) = self.prompt_cache.as_mut() else { return };
+        srv_log(Verbosity::Trace, "get_availabl", "updating prompt cache");
+        let t0 = Instant::now();
+        let ctx = &mut self.ctx;
+        let slot = &mut self.slots[id];
+        cache.save(&slot.cache, ctx.seq_state_size(id as i32), || ctx.seq_state(id as i32));
+        if let Some(entry) = cache.take_best(&slot.cache, prompt) {
+            if ctx.set_seq_state(id as i32, &entry.state) {
+                slot.cache = entry.tokens;
+            } else {
+                slot_log_at(Verbosity::Warn, "prompt_load", id, -1, "failed to load prompt from cache");
+                ctx.seq_rm(id as i32, -1, -1);
+                slot.cache.clear();
+            }
+        }
+        cache.update();
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        srv_log(Verbosity::Trace, "get_availabl", &format!("prompt cache update took {ms:.2} ms"));
+    }
+
+    /// Copies every idle slot to the prompt cache; with a unified KV cache also clears them,
+    /// so the room goes to the slots that work.
+    fn cache_idle_slots(&mut self) {
+        let Some(cache) = self.prompt_cache.as_mut() else { return };
+        for slot in self.slots.iter_mut().filter(|s| s.active.is_none()) {
+            let id = slot.id as i32;
+            slot_log_at(Verbosity::Trace, "process_sing", slot.id, -1, "saving idle slot to prompt cache");
+            let ctx = &self.ctx;
+            if cache.save(&slot.cache, ctx.seq_state_size(id), || ctx.seq_state(id)) {
+                slot_log_at(Verbosity::Debug, "process_sing", slot.id, -1, "__TEST_TAG_CACHE_IDLE_SLOT__");
+                cache.update();
+            }
+            if self.kv_unified && !slot.cache.is_empty() {
+                self.ctx.seq_rm(id, -1, -1);
+                slot.cache.clear();
+            }
+        }
     }
 
     fn start(&mut self, id: usize, task: Task) {
@@ -606,7 +774,12 @@ impl<'m> Engine<'m> {
             t_prompt: Instant::now(),
             prompt_ms: 0.0,
             t_gen: None,
+            prompt_in_batch: false,
         });
+        let a = slot.active.as_ref().expect("just started");
+        if !a.send_progress(id, keep) {
+            self.release(id);
+        }
     }
 
     fn release(&mut self, id: usize) -> Option<Active> {
@@ -697,7 +870,15 @@ impl<'m> Engine<'m> {
                 continue;
             }
             match self.pick_slot(&task) {
-                Some(id) => self.start(id, task),
+                Some((id, update_cache)) => {
+                    if update_cache {
+                        self.swap_through_prompt_cache(id, &task.prompt);
+                    }
+                    self.start(id, task);
+                    if self.cache_idle_slots && self.slots[id].active.is_some() {
+                        self.cache_idle_slots();
+                    }
+                }
                 None => waiting.push_back(task),
             }
         }
@@ -731,6 +912,7 @@ impl<'m> Engine<'m> {
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             let n_prompt = a.task.prompt.len();
+            a.prompt_in_batch = a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
             while a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity {
                 let pos = slot.cache.len();
                 let t = a.task.prompt[pos];
@@ -766,6 +948,14 @@ impl<'m> Engine<'m> {
             let busy = self.slots.iter().filter(|s| s.active.is_some()).count() as u64;
             let longest = self.slots.iter().map(|s| s.cache.len() as u64).max().unwrap_or(0);
             m.on_decode(busy, longest);
+        }
+        for id in 0..self.slots.len() {
+            let slot = &mut self.slots[id];
+            let Some(a) = slot.active.as_mut().filter(|a| a.prompt_in_batch) else { continue };
+            a.prompt_ms = a.t_prompt.elapsed().as_secs_f64() * 1e3;
+            if !a.send_progress(id, slot.cache.len()) {
+                self.release(id);
+            }
         }
         for id in 0..self.slots.len() {
             let Some(i) = self.slots[id].active.as_ref().and_then(|a| a.i_batch) else { continue };
@@ -833,6 +1023,8 @@ impl<'m> Engine<'m> {
                 n_decoded: a.n_decoded,
                 n_prompt,
                 probs: probs.clone(),
+                timings: a.task.params.timings_per_token.then(|| a.timings(slot.cache.len())),
+                progress: None,
             };
             if a.task.events.send(Event::Partial(partial)).is_err() {
                 self.release(id);

@@ -246,6 +246,8 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
         }
         .max(0) as usize,
         post_sampling_probs: flag(body, "post_sampling_probs", false),
+        timings_per_token: flag(body, "timings_per_token", false),
+        return_progress: flag(body, "return_progress", false),
         sampling: Value::Object(sampling),
     })
 }
@@ -343,7 +345,7 @@ fn partial_json(p: &Partial, post_sampling: bool) -> Value {
 }
 
 fn partial_json_base(p: &Partial) -> Value {
-    json!({
+    let mut v = json!({
         "index": p.index,
         "content": p.content,
         "tokens": p.tokens,
@@ -351,7 +353,22 @@ fn partial_json_base(p: &Partial) -> Value {
         "id_slot": p.id_slot,
         "tokens_predicted": p.n_decoded,
         "tokens_evaluated": p.n_prompt,
-    })
+    });
+    add_progress(&mut v, p);
+    v
+}
+
+/// The `timings` (with timings_per_token) and `prompt_progress` (with return_progress) a
+/// streamed chunk carries.
+pub fn add_progress(v: &mut Value, p: &Partial) {
+    if let Some(t) = &p.timings {
+        v["timings"] = timings_json(t);
+    }
+    if let Some(pr) = &p.progress {
+        v["prompt_progress"] = json!({
+            "total": pr.total, "cache": pr.cache, "processed": pr.processed, "time_ms": pr.time_ms,
+        });
+    }
 }
 
 /// (name in llama-server's generation_settings, name in common_params_sampling)
@@ -413,7 +430,7 @@ pub fn generation_settings(defaults: &Value, p: &TaskParams) -> Value {
         ("min_keep", field("min_keep")),
         ("grammar", field("grammar")),
         ("grammar_lazy", p.sampling.get("grammar_lazy").cloned().unwrap_or(json!(false))),
-        ("timings_per_token", json!(false)),
+        ("timings_per_token", json!(p.timings_per_token)),
         ("post_sampling_probs", json!(p.post_sampling_probs)),
     ] {
         out.insert(k.into(), v);

@@ -11,6 +11,7 @@ mod infill;
 mod info;
 mod metrics;
 mod oai;
+mod prompt_cache;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -103,6 +104,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
             n_predict_default,
             sleep_idle,
             ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
+            cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,
+            cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
+            slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
         });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

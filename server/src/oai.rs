@@ -14,7 +14,7 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
 use crate::generation::StopType;
-use crate::http::{
+use crate::http::{add_progress, 
     collect, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json,
     tokenize_prompts, App, Sse,
 };
@@ -107,14 +107,18 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
     let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let render = move |ev: &Event| -> Vec<Value> {
         match ev {
-            Event::Partial(p) => vec![json!({
-                "choices": [{"text": p.content, "index": p.index, "logprobs": null, "finish_reason": null}],
-                "created": now(),
-                "model": alias,
-                "system_fingerprint": fingerprint,
-                "object": "text_completion",
-                "id": id,
-            })],
+            Event::Partial(p) => {
+                let mut v = json!({
+                    "choices": [{"text": p.content, "index": p.index, "logprobs": null, "finish_reason": null}],
+                    "created": now(),
+                    "model": alias,
+                    "system_fingerprint": fingerprint,
+                    "object": "text_completion",
+                    "id": id,
+                });
+                add_progress(&mut v, p);
+                vec![v]
+            }
             Event::Final(f) => vec![with_verbose(verbose, f, &alias, "", json!({
                 "choices": [{
                     "text": f.content,
@@ -383,7 +387,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                 Event::Partial(p) => {
                     let c = &mut choices[p.index];
                     let mut out = Vec::new();
-                    if p.n_decoded == 1 {
+                    if p.n_decoded == 1 || p.progress.is_some() {
                         out.push(delta(p.index, json!({"role": "assistant", "content": null})));
                     }
                     c.text.push_str(&p.content);
@@ -393,6 +397,9 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     c.prev = msg;
                     if let (Some(last), Some(tp)) = (out.last_mut(), &p.probs) {
                         last["choices"][0]["logprobs"] = json!({"content": probs_json(std::slice::from_ref(tp), post)});
+                    }
+                    if let Some(last) = out.last_mut() {
+                        add_progress(last, p);
                     }
                     out
                 }

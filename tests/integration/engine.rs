@@ -68,6 +68,35 @@ fn a_repeated_prompt_reuses_the_slot_cache() {
     assert_eq!(third["tokens"], first["tokens"]);
 }
 
+/// With one unified KV cache, starting a task moves the idle slots' prompts to host RAM; a
+/// prompt that comes back is restored from there instead of recomputed, with the same tokens.
+#[test]
+fn an_evicted_prompt_comes_back_from_the_ram_cache() {
+    let m = model("tiny-qwen3moe.gguf");
+    let args = ["-m", m.to_str().unwrap(), "-c", "1024", "-np", "2", "-kvu", "--cache-ram", "64"];
+    let server = Server::start(&args, &[]);
+    let mut long = greedy("Once upon a time, in a quiet village by the sea, there lived an old fisherman", 4);
+    long["id_slot"] = json!(0);
+    let (_, first) = server.post("/completion", &long);
+    let mut other = greedy("The quick brown fox", 4);
+    other["id_slot"] = json!(1);
+    server.post("/completion", &other);
+    long.as_object_mut().unwrap().remove("id_slot");
+    let (_, again) = server.post("/completion", &long);
+    let n_prompt = first["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(again["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "{again}");
+    assert_eq!(again["tokens"], first["tokens"]);
+
+    let off = Server::start(&["-m", m.to_str().unwrap(), "-c", "1024", "-np", "2", "-kvu", "--cache-ram", "0"], &[]);
+    long["id_slot"] = json!(0);
+    off.post("/completion", &long);
+    other["id_slot"] = json!(1);
+    off.post("/completion", &other);
+    long.as_object_mut().unwrap().remove("id_slot");
+    let (_, lru) = off.post("/completion", &long);
+    assert_eq!(lru["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "without the RAM cache slot 0 kept its KV");
+}
+
 /// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
 /// reprocessed, and a repeated request gives the same tokens.
 #[test]
