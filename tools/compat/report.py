@@ -28,8 +28,17 @@ def main():
     ap.add_argument("upstream")
     ap.add_argument("strata")
     ap.add_argument("--command", default="tools/compat/run")
+    ap.add_argument("--retry", help="JUnit XML of a second strata-server run of the first run's regressions")
+    ap.add_argument("--regressions", help="write the ids of upstream passes strata-server failed, one per line")
+    ap.add_argument("--check", action="store_true", help="exit 1 if any upstream pass is not a strata-server pass")
     a = ap.parse_args()
     up, st = results(a.upstream), results(a.strata)
+    retried = set()
+    if a.retry:
+        for i, (status, reason) in results(a.retry).items():
+            if i in st and st[i][0] != "passed":
+                retried.add(i)
+                st[i] = (status, reason if status != "passed" else "")
     ids = sorted(set(up) | set(st))
     missing = ("not run", "")
     cu = Counter(up.get(i, missing)[0] for i in ids)
@@ -47,11 +56,25 @@ def main():
             print(f"| {k} | {cu[k]} | {cs[k]} |")
     print(f"| total | {len(ids)} | {len(ids)} |\n")
     print(f"Upstream passes that strata-server does not: **{len(regressions)}**\n")
+    if retried:
+        passed_on_retry = sorted(i for i in retried if st[i][0] == "passed")
+        print(f"Retried once after a failure: {len(retried)}; passed on the retry: {len(passed_on_retry)}"
+              + "".join(f"\n- `{i}`" for i in passed_on_retry) + "\n")
     print("| test | upstream | strata | strata's reason |\n|---|---|---|---|")
     for i in ids:
         u, s = up.get(i, missing), st.get(i, missing)
         reason = s[1].replace("|", "\\|") if s[0] != "passed" else ""
-        print(f"| `{i}` | {u[0]} | {s[0]} | {reason} |")
+        shown = i.replace("|", "\\|")
+        print(f"| `{shown}` | {u[0]} | {s[0]} | {reason} |")
+    if a.regressions:
+        with open(a.regressions, "w") as f:
+            f.writelines(i + "\n" for i in regressions)
+    if a.check and regressions:
+        import sys
+        print(f"compat: {len(regressions)} upstream passes fail on strata-server:", file=sys.stderr)
+        for i in regressions:
+            print(f"  {i}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
