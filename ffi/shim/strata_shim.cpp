@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <random>
 #include <string>
 
 using json = nlohmann::ordered_json;
@@ -40,6 +41,7 @@ struct strata_speculative {
     common_speculative *               spec = nullptr;
     llama_tokens                       prompt;
     llama_tokens                       result;
+    std::vector<std::mt19937>          synth_rng; // per sequence, for --spec-synth-* acceptance
 };
 
 static char * dup_string(const std::string & s) {
@@ -209,6 +211,13 @@ char * strata_params_json(const strata_params * p) {
         {"cache_ram_mib", c.cache_ram_mib},
         {"cache_idle_slots", c.cache_idle_slots},
         {"slot_prompt_similarity", c.slot_prompt_similarity},
+        {"speculative", {
+            {"types", common_speculative_type_name_str(c.speculative.types)},
+            {"has_draft_model", c.speculative.has_dft()},
+            {"enabled", c.speculative.has_dft() ||
+                        std::any_of(c.speculative.types.begin(), c.speculative.types.end(),
+                                    [](common_speculative_type t) { return t != COMMON_SPECULATIVE_TYPE_NONE; })},
+        }},
         {"ctx_shift", c.ctx_shift},
         {"cont_batching", c.cont_batching},
         {"chat_template", c.chat_template},
@@ -499,6 +508,16 @@ llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx
     return common_sampler_sample(s->smpl, ctx, idx);
 }
 
+int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
+                                           const llama_token * draft, int32_t n_draft, llama_token * out) {
+    const std::vector<int> i(idxs, idxs + n_draft + 1);
+    const llama_tokens d(draft, draft + n_draft);
+    const auto accepted = common_sampler_sample_and_accept_n(s->smpl, ctx, i, d);
+    const int32_t n = std::min<int32_t>(n_draft + 1, static_cast<int32_t>(accepted.size()));
+    std::memcpy(out, accepted.data(), sizeof(llama_token) * n);
+    return n;
+}
+
 void strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar) {
     common_sampler_accept(s->smpl, token, accept_grammar);
 }
@@ -557,6 +576,7 @@ strata_speculative * strata_speculative_init(strata_params * p, struct llama_con
             params.speculative.draft.ctx_dft = s->init->context();
         }
         s->spec = common_speculative_init(params.speculative, n_seq);
+        s->synth_rng.resize(n_seq);
         if (!s->spec) {
             delete s;
             set_err(err, "speculative decoding: no drafter could be initialised from the given settings");
@@ -593,6 +613,78 @@ int32_t strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const
     const int32_t n = std::min<int32_t>(n_max, static_cast<int32_t>(s->result.size()));
     std::memcpy(out, s->result.data(), sizeof(llama_token) * n);
     return n;
+}
+
+bool strata_speculative_process(strata_speculative * s, struct llama_context * ctx_tgt, int32_t n_tokens,
+                                const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq,
+                                const int8_t * output) {
+    common_batch batch(ctx_tgt);
+    for (int32_t i = 0; i < n_tokens; ++i) {
+        batch.add(tokens[i], pos[i], seq[i], output[i] != 0);
+    }
+    return common_speculative_process(s->spec, batch);
+}
+
+static llama_context * draft_context(const strata_speculative * s) {
+    return s->init ? s->init->context() : nullptr;
+}
+
+bool strata_speculative_has_context(const strata_speculative * s) {
+    return draft_context(s) != nullptr;
+}
+
+void strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1) {
+    if (llama_context * ctx = draft_context(s)) {
+        llama_memory_seq_rm(llama_get_memory(ctx), seq, p0, p1);
+    }
+}
+
+void strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta) {
+    if (llama_context * ctx = draft_context(s)) {
+        llama_memory_seq_add(llama_get_memory(ctx), seq, p0, p1, delta);
+    }
+}
+
+bool strata_speculative_has_synth(const strata_speculative * s) {
+    return !common_speculative_get_synth_probs(s->spec).empty();
+}
+
+void strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl) {
+    const uint32_t seed = smpl->params.seed == LLAMA_DEFAULT_SEED ? std::random_device{}() : smpl->params.seed;
+    s->synth_rng.at(seq).seed(seed);
+}
+
+// Synthetic acceptance (llama-server's server_sample_and_accept_synth): draft token i is taken
+// with probability synth_probs[i] regardless of the model, for measuring speed at a set
+// acceptance rate; a drafted end-of-generation token is never taken.
+int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
+                                        struct llama_context * ctx, const int32_t * idxs,
+                                        const llama_token * draft, int32_t n_draft, llama_token * out) {
+    const auto & probs = common_speculative_get_synth_probs(s->spec);
+    const llama_vocab * vocab = llama_model_get_vocab(llama_get_model(ctx));
+    std::uniform_real_distribution<double> dist(0.0, 1.0);
+    auto & rng = s->synth_rng.at(seq);
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_draft; ++i) {
+        const llama_token id = common_sampler_sample(smpl->smpl, ctx, idxs[i]);
+        const bool take = i < (int32_t) probs.size() && dist(rng) < probs[i];
+        if (take && !llama_vocab_is_eog(vocab, draft[i])) {
+            common_sampler_accept(smpl->smpl, draft[i], false);
+            out[n++] = draft[i];
+            continue;
+        }
+        common_sampler_accept(smpl->smpl, id, true);
+        out[n++] = id;
+        return n;
+    }
+    const llama_token id = common_sampler_sample(smpl->smpl, ctx, idxs[n_draft]);
+    common_sampler_accept(smpl->smpl, id, true);
+    out[n++] = id;
+    return n;
+}
+
+int32_t strata_speculative_n_max(const strata_speculative * s) {
+    return common_speculative_n_max(s->spec);
 }
 
 void strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted) {

@@ -103,6 +103,11 @@ typedef struct strata_sampler strata_sampler;
 strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err);
 void             strata_sampler_free(strata_sampler * s);
 llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx);
+// Verifies a draft: samples at idxs[0..=n_draft] and accepts while the samples match the draft.
+// Writes the accepted tokens plus the first sampled non-matching (or next) token to out
+// (room for n_draft + 1); returns how many.
+int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
+                                           const llama_token * draft, int32_t n_draft, llama_token * out);
 void             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar);
 void             strata_sampler_reset(strata_sampler * s);
 uint32_t         strata_sampler_seed(const strata_sampler * s);
@@ -125,6 +130,26 @@ void                 strata_speculative_begin(strata_speculative * s, llama_seq_
 // Drafts up to n_max tokens after `last` for seq; writes them to out, returns the count.
 int32_t              strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
                                               llama_token last, llama_token * out, int32_t n_max);
+// Feeds a target batch (token, position, first sequence id, output flag per entry) to the drafters
+// that keep their own context in step with the target (draft model, MTP); false on failure.
+bool strata_speculative_process(strata_speculative * s, struct llama_context * ctx_tgt, int32_t n_tokens,
+                                const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq,
+                                const int8_t * output);
+// Whether a drafter has its own context (draft model, MTP head); seq_rm/seq_add keep its
+// sequences in step with the target's (no-ops without one).
+bool strata_speculative_has_context(const strata_speculative * s);
+void strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1);
+void strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta);
+// --spec-synth-*: acceptance decided by set rates instead of the model (benchmarking).
+bool strata_speculative_has_synth(const strata_speculative * s);
+// Seeds sequence seq's acceptance RNG from the sampler's requested seed (random if default).
+void strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl);
+// As strata_sampler_sample_and_accept_n, with synthetic acceptance.
+int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
+                                        struct llama_context * ctx, const int32_t * idxs,
+                                        const llama_token * draft, int32_t n_draft, llama_token * out);
+// The most draft tokens any configured drafter proposes.
+int32_t strata_speculative_n_max(const strata_speculative * s);
 void                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted);
 
 #ifdef __cplusplus

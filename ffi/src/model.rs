@@ -79,6 +79,13 @@ impl Model {
         unsafe { sys::llama_model_n_embd_inp(self.as_ptr()) }
     }
 
+    /// Whether the model keeps recurrent state (SSM/delta-net layers, alone or with attention),
+    /// which cannot be cut back to an arbitrary position.
+    pub fn has_recurrent_state(&self) -> bool {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_is_recurrent(self.as_ptr()) || sys::llama_model_is_hybrid(self.as_ptr()) }
+    }
+
     /// Sliding-window attention size (0 for models without SWA).
     pub fn n_swa(&self) -> i32 {
         // SAFETY: valid model.

@@ -35,6 +35,33 @@ impl Sampler {
         unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx) }
     }
 
+    /// Verifies a draft decoded at batch indices `idxs` (the last sampled token's, then one
+    /// per draft token): samples at each index while the sample equals the draft token there.
+    /// Returns the samples (at least one; the matched draft tokens, then the first new token),
+    /// all already accepted by the sampler.
+    pub fn sample_and_accept_n(&mut self, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Vec<Token> {
+        assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
+        let mut out = vec![0 as Token; idxs.len()];
+        // SAFETY: idxs has draft.len() + 1 entries, out has room for as many; the indices refer
+        // to outputs of the last decode.
+        let n = unsafe {
+            sys::strata_sampler_sample_and_accept_n(
+                self.ptr.as_ptr(),
+                ctx.as_ptr(),
+                idxs.as_ptr(),
+                draft.as_ptr(),
+                draft.len() as i32,
+                out.as_mut_ptr(),
+            )
+        };
+        out.truncate(n.max(0) as usize);
+        out
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::strata_sampler {
+        self.ptr.as_ptr()
+    }
+
     pub fn accept(&mut self, token: Token, accept_grammar: bool) {
         // SAFETY: valid sampler.
         unsafe { sys::strata_sampler_accept(self.ptr.as_ptr(), token, accept_grammar) }

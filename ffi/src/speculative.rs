@@ -1,9 +1,11 @@
 use std::ptr::NonNull;
 
+use crate::batch::Batch;
 use crate::context::Context;
 use crate::error::Result;
 use crate::model::Token;
 use crate::params::ServerParams;
+use crate::sampler::Sampler;
 use crate::shim_string::call;
 use crate::sys;
 
@@ -46,6 +48,78 @@ impl Speculative {
         };
         out.truncate(n.max(0) as usize);
         out
+    }
+
+    /// Feeds a decoded target batch to drafters that keep a context of their own in step with
+    /// the target (draft model, MTP head); false if that context failed to decode it.
+    pub fn process(&mut self, target: &mut Context<'_>, batch: &Batch) -> bool {
+        let raw = batch.raw();
+        let n = batch.len();
+        if n == 0 {
+            return true;
+        }
+        // SAFETY: every entry below n_tokens was written by Batch::add with at least one
+        // sequence id (the engine always passes one).
+        let seq: Vec<i32> = (0..n).map(|i| unsafe { **raw.seq_id.add(i) }).collect();
+        // SAFETY: token/pos/logits arrays hold n_tokens entries; seq has n entries; the shim
+        // copies them into its own batch.
+        unsafe { sys::strata_speculative_process(self.ptr.as_ptr(), target.as_ptr(), n as i32, raw.token, raw.pos, seq.as_ptr(), raw.logits) }
+    }
+
+    /// Whether the drafter decodes in a context of its own, which must follow the target's
+    /// sequence edits.
+    pub fn has_context(&self) -> bool {
+        // SAFETY: valid drafter.
+        unsafe { sys::strata_speculative_has_context(self.ptr.as_ptr()) }
+    }
+
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
+        // SAFETY: valid drafter; out-of-range positions are handled by llama.cpp.
+        unsafe { sys::strata_speculative_seq_rm(self.ptr.as_ptr(), seq, p0, p1) }
+    }
+
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) {
+        // SAFETY: as seq_rm.
+        unsafe { sys::strata_speculative_seq_add(self.ptr.as_ptr(), seq, p0, p1, delta) }
+    }
+
+    /// Whether acceptance follows set rates (--spec-synth-*) instead of the model.
+    pub fn has_synth(&self) -> bool {
+        // SAFETY: valid drafter.
+        unsafe { sys::strata_speculative_has_synth(self.ptr.as_ptr()) }
+    }
+
+    /// Seeds `seq`'s synthetic acceptance from the sampler's requested seed.
+    pub fn synth_seed(&mut self, seq: i32, sampler: &Sampler) {
+        // SAFETY: valid drafter and sampler; seq < n_seq of the drafter (one per slot).
+        unsafe { sys::strata_speculative_synth_seed(self.ptr.as_ptr(), seq, sampler.as_ptr()) }
+    }
+
+    /// As [`Sampler::sample_and_accept_n`], with synthetic acceptance.
+    pub fn accept_synth(&mut self, seq: i32, sampler: &mut Sampler, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Vec<Token> {
+        assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
+        let mut out = vec![0 as Token; idxs.len()];
+        // SAFETY: as sample_and_accept_n; out has room for draft.len() + 1 tokens.
+        let n = unsafe {
+            sys::strata_speculative_accept_synth(
+                self.ptr.as_ptr(),
+                seq,
+                sampler.as_ptr(),
+                ctx.as_ptr(),
+                idxs.as_ptr(),
+                draft.as_ptr(),
+                draft.len() as i32,
+                out.as_mut_ptr(),
+            )
+        };
+        out.truncate(n.max(0) as usize);
+        out
+    }
+
+    /// The most tokens one draft can hold.
+    pub fn n_max(&self) -> usize {
+        // SAFETY: valid drafter.
+        unsafe { sys::strata_speculative_n_max(self.ptr.as_ptr()) }.max(0) as usize
     }
 
     pub fn accept(&mut self, seq: i32, n_accepted: u16) {

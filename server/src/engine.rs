@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Token, Verbosity};
+use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Speculative, Token, Verbosity};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::{ApiError, ErrorType};
@@ -90,6 +90,9 @@ pub struct Timings {
     pub prompt_ms: f64,
     pub predicted_n: usize,
     pub predicted_ms: f64,
+    /// Speculative decoding: tokens drafted, and how many of them the model accepted.
+    pub draft_n: usize,
+    pub draft_n_accepted: usize,
 }
 
 /// Rates as llama-server computes them: generation counts decode steps, and the first token is
@@ -280,6 +283,8 @@ pub struct EngineConfig {
     pub cache_idle_slots: bool,
     /// --slot-prompt-similarity: reuse a slot whose cache shares this fraction of the prompt.
     pub slot_prompt_similarity: f32,
+    /// A drafter is configured (--spec-type other than none, or a draft model).
+    pub speculative: bool,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -329,7 +334,15 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
                 return;
             }
         };
-        let mut engine = Engine::new(ctx, &cfg, shared);
+        let mut ctx = ctx;
+        let spec = match new_speculative(&mut cfg, &model, &mut ctx) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = state.send(State::Failed(e));
+                return;
+            }
+        };
+        let mut engine = Engine::new(ctx, spec, &cfg, shared);
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);
@@ -340,6 +353,36 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             Some(job) => woken_by = Some(job),
             None => return,
         }
+    }
+}
+
+/// The longest draft that fits: room in the slot's context (one token kept free for a context
+/// shift) and in what is left of n_predict (llama-server's get_n_draft_max).
+fn draft_max(a: &Active, n_cached: usize, n_ctx_slot: usize) -> usize {
+    let mut n = n_ctx_slot as i64 - n_cached as i64 - 2;
+    if a.n_predict_max >= 0 {
+        n = n.min(a.n_predict_max as i64 - a.n_decoded as i64 - 1);
+    }
+    n.max(0) as usize
+}
+
+/// The drafter llama-server would set up for these flags, if any.
+fn new_speculative(cfg: &mut EngineConfig, model: &Model, ctx: &mut Context<'_>) -> Result<Option<Speculative>, String> {
+    if !cfg.speculative {
+        return Ok(None);
+    }
+    if model.has_recurrent_state() {
+        // Rejected drafts are undone by cutting the sequence back, which recurrent state cannot do.
+        srv_log(Verbosity::Warn, "load_model", "speculative decoding is not supported for models with recurrent state, disabling it");
+        return Ok(None);
+    }
+    let n_seq = cfg.n_parallel.max(1) as u32;
+    match Speculative::new(&mut cfg.params, ctx, n_seq) {
+        Ok(s) => {
+            srv_log(Verbosity::Trace, "load_model", "speculative decoding context initialized");
+            Ok(Some(s))
+        }
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -411,6 +454,13 @@ struct Active {
     t_gen: Option<Instant>,
     /// Prompt tokens went into the current batch.
     prompt_in_batch: bool,
+    /// Draft tokens in the current batch, after the sampled token, and the batch indices of
+    /// the sampled token and each draft token.
+    draft: Vec<Token>,
+    draft_i_batch: Vec<i32>,
+    n_draft_total: usize,
+    n_draft_accepted: usize,
+    n_draft_steps: usize,
 }
 
 impl Active {
@@ -421,6 +471,8 @@ impl Active {
             prompt_ms: self.prompt_ms,
             predicted_n: self.n_decoded,
             predicted_ms: self.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64().max(1e-6) * 1e3),
+            draft_n: self.n_draft_total,
+            draft_n_accepted: self.n_draft_accepted,
         }
     }
 
@@ -455,11 +507,15 @@ struct Slot {
     id: usize,
     /// Tokens of this slot's sequence now in the KV cache.
     cache: Vec<Token>,
+    /// The draft model's context no longer holds `cache` (the slot was restored from a file).
+    draft_stale: bool,
     last_used: Instant,
     active: Option<Active>,
 }
 
 struct Engine<'m> {
+    /// Declared before `ctx`, which it points into, so that it is dropped first.
+    spec: Option<Speculative>,
     ctx: Context<'m>,
     params: &'m ServerParams,
     slots: Vec<Slot>,
@@ -514,7 +570,7 @@ pub(crate) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl<'m> Engine<'m> {
-    fn new(ctx: Context<'m>, cfg: &'m EngineConfig, shared: &'m Shared) -> Self {
+    fn new(ctx: Context<'m>, spec: Option<Speculative>, cfg: &'m EngineConfig, shared: &'m Shared) -> Self {
         let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
@@ -525,8 +581,15 @@ impl<'m> Engine<'m> {
             strata_ffi::log_info("srv  load_model: ctx_shift is not supported by this context, it will be disabled\n");
         }
         let now = Instant::now();
-        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), last_used: now, active: None }).collect();
+        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), draft_stale: false, last_used: now, active: None }).collect();
+        let draft_ctx = spec.as_ref().is_some_and(Speculative::has_context);
         let prompt_cache = match cfg.cache_ram_mib {
+            // The draft model's context keeps its own copy of each sequence, which the cache
+            // does not hold.
+            _ if draft_ctx => {
+                srv_log(Verbosity::Trace, "load_model", "prompt cache is disabled with a draft model");
+                None
+            }
             0 => {
                 srv_log(Verbosity::Trace, "load_model", "prompt cache is disabled - use `--cache-ram N` to enable it");
                 None
@@ -550,6 +613,7 @@ impl<'m> Engine<'m> {
             }
         }
         Self {
+            spec,
             ctx,
             params: &cfg.params,
             slots,
@@ -627,6 +691,10 @@ impl<'m> Engine<'m> {
                 };
                 let n = tokens.len();
                 self.slots[id].cache = tokens;
+                if let Some(spec) = self.spec.as_mut().filter(|s| s.has_context()) {
+                    spec.seq_rm(id as i32, -1, -1);
+                    self.slots[id].draft_stale = true;
+                }
                 Ok(serde_json::json!({
                     "id_slot": id, "filename": filename, "n_restored": n,
                     "n_read": n_read, "timings": {"restore_ms": ms(t0)},
@@ -635,6 +703,9 @@ impl<'m> Engine<'m> {
             SlotAction::Erase { id } => {
                 let n = self.slots[id].cache.len();
                 self.ctx.seq_rm(id as i32, 0, -1);
+                if let Some(spec) = self.spec.as_mut() {
+                    spec.seq_rm(id as i32, -1, -1);
+                }
                 self.slots[id].cache.clear();
                 Ok(serde_json::json!({"id_slot": id, "n_erased": n}))
             }
@@ -745,13 +816,21 @@ impl<'m> Engine<'m> {
         let slot = &mut self.slots[id];
         // A sliding-window KV cache cannot be cut back safely without llama-server's context
         // checkpoints, which are not implemented yet: such models reprocess the whole prompt.
-        let reusable = task.params.cache_prompt && model.n_swa() == 0;
+        let reusable = task.params.cache_prompt && model.n_swa() == 0 && !slot.draft_stale;
+        slot.draft_stale = false;
         let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
         // At least one prompt token must be decoded to get logits for the first sample.
         keep = keep.min(n_prompt - 1);
         if !self.ctx.seq_rm(id as i32, keep as i32, -1) {
             self.ctx.seq_rm(id as i32, 0, -1);
             keep = 0;
+        }
+        if let Some(spec) = self.spec.as_mut() {
+            spec.seq_rm(id as i32, keep as i32, -1);
+            spec.begin(id as i32, &task.prompt);
+            if spec.has_synth() {
+                spec.synth_seed(id as i32, &sampler);
+            }
         }
         slot.cache.truncate(keep);
         let n_predict_max = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
@@ -775,6 +854,11 @@ impl<'m> Engine<'m> {
             prompt_ms: 0.0,
             t_gen: None,
             prompt_in_batch: false,
+            draft: Vec::new(),
+            draft_i_batch: Vec::new(),
+            n_draft_total: 0,
+            n_draft_accepted: 0,
+            n_draft_steps: 0,
         });
         let a = slot.active.as_ref().expect("just started");
         if !a.send_progress(id, keep) {
@@ -833,6 +917,10 @@ impl<'m> Engine<'m> {
         a.truncated = true;
         self.ctx.seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32);
         self.ctx.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
+        if let Some(spec) = self.spec.as_mut() {
+            spec.seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32);
+            spec.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
+        }
         slot.cache.drain(n_keep as usize..(n_keep + n_discard) as usize);
         slot_log("update_slots", id, task_id, &msg);
     }
@@ -904,9 +992,28 @@ impl<'m> Engine<'m> {
                 continue;
             }
             if let Some(t) = a.sampled.take() {
-                a.i_batch = Some(self.batch.len() as i32);
+                let room = capacity - self.batch.len() - 1;
+                let draft = match self.spec.as_mut() {
+                    Some(spec) => {
+                        let n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
+                        let draft = if n_max > 0 { spec.draft(slot.id as i32, &slot.cache, t, n_max) } else { Vec::new() };
+                        // Drafting decodes into the draft context; it gets this batch next, as the target does.
+                        spec.seq_rm(slot.id as i32, slot.cache.len() as i32, -1);
+                        draft
+                    }
+                    None => Vec::new(),
+                };
+                let i0 = self.batch.len() as i32;
+                a.i_batch = Some(i0);
                 self.batch.add(t, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
                 slot.cache.push(t);
+                for &d in &draft {
+                    self.batch.add(d, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
+                    slot.cache.push(d);
+                }
+                a.n_draft_total += draft.len();
+                a.draft_i_batch = if draft.is_empty() { Vec::new() } else { (i0..=i0 + draft.len() as i32).collect() };
+                a.draft = draft;
             }
         }
         for slot in &mut self.slots {
@@ -939,6 +1046,28 @@ impl<'m> Engine<'m> {
                 if let Some(a) = self.release(id) {
                     let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
                     self.ctx.seq_rm(id as i32, 0, -1);
+                    if let Some(spec) = self.spec.as_mut() {
+                        spec.seq_rm(id as i32, -1, -1);
+                    }
+                    self.slots[id].cache.clear();
+                }
+            }
+            return true;
+        }
+        // The draft model (or MTP head) sees every target batch, prompts included.
+        let spec_ok = match self.spec.as_mut() {
+            Some(spec) => spec.process(&mut self.ctx, &self.batch),
+            None => true,
+        };
+        if !spec_ok {
+            srv_log(Verbosity::Error, "update_slots", "failed to process speculative batch");
+            for id in 0..self.slots.len() {
+                if let Some(a) = self.release(id) {
+                    let _ = a.task.events.send(Event::Error(ApiError::server("failed to process speculative batch")));
+                    self.ctx.seq_rm(id as i32, -1, -1);
+                    if let Some(spec) = self.spec.as_mut() {
+                        spec.seq_rm(id as i32, -1, -1);
+                    }
                     self.slots[id].cache.clear();
                 }
             }
@@ -958,20 +1087,63 @@ impl<'m> Engine<'m> {
             }
         }
         for id in 0..self.slots.len() {
-            let Some(i) = self.slots[id].active.as_ref().and_then(|a| a.i_batch) else { continue };
-            self.sample(id, i);
+            let Some(a) = self.slots[id].active.as_ref() else { continue };
+            if !a.draft.is_empty() {
+                self.verify_draft(id);
+            } else if let Some(i) = a.i_batch {
+                self.sample(id, i);
+            }
         }
         true
     }
 
+    /// Checks a slot's draft against the model's own samples: keeps the matching prefix, drops
+    /// the rest from the KV cache, and emits every accepted token plus the model's next one.
+    fn verify_draft(&mut self, id: usize) {
+        let slot = &mut self.slots[id];
+        let a = slot.active.as_mut().expect("a drafting slot is active");
+        let draft = std::mem::take(&mut a.draft);
+        let idxs = std::mem::take(&mut a.draft_i_batch);
+        let accepted = match self.spec.as_mut().filter(|s| s.has_synth()) {
+            Some(spec) => spec.accept_synth(id as i32, &mut a.sampler, &mut self.ctx, &idxs, &draft),
+            None => a.sampler.sample_and_accept_n(&mut self.ctx, &idxs, &draft),
+        };
+        let n_accepted = accepted.len().saturating_sub(1);
+        a.n_draft_accepted += n_accepted;
+        a.n_draft_steps += 1;
+        if let Some(spec) = self.spec.as_mut() {
+            spec.accept(id as i32, n_accepted as u16);
+        }
+        // The cache holds the sampled token and the whole draft; keep the accepted part.
+        let keep = slot.cache.len() - draft.len() + n_accepted;
+        slot.cache.truncate(keep);
+        self.ctx.seq_rm(id as i32, keep as i32, -1);
+        if let Some(spec) = self.spec.as_mut() {
+            spec.seq_rm(id as i32, keep as i32, -1);
+        }
+        for (k, &token) in accepted.iter().enumerate() {
+            if !self.emit(id, token, idxs[k]) {
+                return;
+            }
+        }
+    }
+
     fn sample(&mut self, id: usize, i: i32) {
+        let slot = &mut self.slots[id];
+        let a = slot.active.as_mut().unwrap();
+        let token = a.sampler.sample(&mut self.ctx, i);
+        a.sampler.accept(token, true);
+        self.emit(id, token, i);
+    }
+
+    /// Accounts for one generated token (sampled from batch output `i`): stop conditions,
+    /// streaming, and the final answer. Returns false once the slot has been released.
+    fn emit(&mut self, id: usize, token: Token, i: i32) -> bool {
         let vocab = self.ctx.model().vocab();
         let n_ctx_slot = self.n_ctx_slot;
         let ctx_shift = self.ctx_shift;
         let slot = &mut self.slots[id];
         let a = slot.active.as_mut().unwrap();
-        let token = a.sampler.sample(&mut self.ctx, i);
-        a.sampler.accept(token, true);
         let now = Instant::now();
         if a.t_gen.is_none() {
             a.prompt_ms = (now - a.t_prompt).as_secs_f64() * 1e3;
@@ -1028,7 +1200,7 @@ impl<'m> Engine<'m> {
             };
             if a.task.events.send(Event::Partial(partial)).is_err() {
                 self.release(id);
-                return;
+                return false;
             }
         }
         if let Some(p) = probs {
@@ -1036,7 +1208,7 @@ impl<'m> Engine<'m> {
         }
         if !a.gen.finished() {
             a.sampled = Some(token);
-            return;
+            return true;
         }
         let predicted_ms = a.t_gen.map_or(0.0, |t| t.elapsed().as_secs_f64().max(1e-6) * 1e3);
         let timings = Timings {
@@ -1045,12 +1217,25 @@ impl<'m> Engine<'m> {
             prompt_ms: a.prompt_ms,
             predicted_n: a.n_decoded,
             predicted_ms,
+            draft_n: a.n_draft_total,
+            draft_n_accepted: a.n_draft_accepted,
         };
+        let drafts = (a.n_draft_total, a.n_draft_accepted, a.n_draft_steps);
         let task_id = a.task.id;
         if let Ok(mut m) = self.metrics.lock() {
             m.on_prediction(a.n_decoded as u64, a.n_decoded.saturating_sub(1) as u64, (predicted_ms * 1e3) as u64);
+            m.on_drafts(drafts.0 as u64, drafts.1 as u64, drafts.2 as u64);
         }
         self.print_timings(id, &timings, task_id);
+        if drafts.0 > 0 {
+            let (n_draft, n_acc, steps) = drafts;
+            let mean_len = if steps > 0 { 1.0 + n_acc as f64 / steps as f64 } else { 1.0 };
+            let msg = format!(
+                "draft acceptance = {:0.5} ({n_acc:5} accepted / {n_draft:5} generated), mean len = {mean_len:5.2}",
+                n_acc as f32 / n_draft as f32
+            );
+            slot_log("print_timings", id, task_id, &msg);
+        }
         let a = self.release(id).unwrap();
         let stream = a.task.params.stream;
         let fin = Final {
@@ -1068,6 +1253,7 @@ impl<'m> Engine<'m> {
             probs: if stream { Vec::new() } else { a.probs },
         };
         let _ = a.task.events.send(Event::Final(Box::new(fin)));
+        false
     }
 }
 

@@ -297,7 +297,7 @@ fn logit_bias(v: Option<&Value>, vocab: Vocab<'_>) -> Vec<Value> {
 }
 
 pub fn timings_json(t: &Timings) -> Value {
-    json!({
+    let mut v = json!({
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
         "prompt_ms": t.prompt_ms,
@@ -307,7 +307,12 @@ pub fn timings_json(t: &Timings) -> Value {
         "predicted_ms": t.predicted_ms,
         "predicted_per_token_ms": t.predicted_per_token_ms(),
         "predicted_per_second": t.predicted_per_second(),
-    })
+    });
+    if t.draft_n > 0 {
+        v["draft_n"] = json!(t.draft_n);
+        v["draft_n_accepted"] = json!(t.draft_n_accepted);
+    }
+    v
 }
 
 /// llama-server's completion_probabilities entries.
@@ -731,7 +736,7 @@ async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
         .slots_busy()
         .iter()
         .enumerate()
-        .map(|(id, &busy)| json!({"id": id, "n_ctx": n_ctx, "speculative": false, "is_processing": busy}))
+        .map(|(id, &busy)| json!({"id": id, "n_ctx": n_ctx, "speculative": app.info.speculative, "is_processing": busy}))
         .collect();
     Ok(Json(Value::Array(slots)))
 }

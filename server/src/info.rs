@@ -34,6 +34,8 @@ pub struct ServerInfo {
     pub n_keep: i64,
     pub n_batch: usize,
     pub n_predict: i64,
+    /// A drafter is configured (--spec-type or a draft model).
+    pub speculative: bool,
     /// --spm-infill: suffix before prefix in infill prompts.
     pub spm_infill: bool,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
@@ -51,6 +53,7 @@ impl ServerInfo {
         Self {
             model_alias,
             model_aliases: strings(&cfg["model_alias"]),
+            speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
             model_tags: strings(&cfg["model_tags"]),
             model_path: s("model"),
             n_parallel,

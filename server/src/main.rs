@@ -107,6 +107,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
             cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,
             cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
             slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
+            speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
         });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

@@ -35,6 +35,9 @@ pub struct Metrics {
     n_tokens_max: u64,
     n_decode: u64,
     n_busy_slots: u64,
+    n_draft_tokens: u64,
+    n_draft_accepted: u64,
+    n_draft_verif_steps: u64,
     pub n_processing: usize,
     pub n_deferred: usize,
 }
@@ -52,6 +55,9 @@ impl Default for Metrics {
             n_tokens_max: 0,
             n_decode: 0,
             n_busy_slots: 0,
+            n_draft_tokens: 0,
+            n_draft_accepted: 0,
+            n_draft_verif_steps: 0,
             n_processing: 0,
             n_deferred: 0,
         }
@@ -99,6 +105,13 @@ impl Metrics {
         self.n_tokens_max = self.n_tokens_max.max(max_tokens);
     }
 
+    /// A finished task's speculative decoding: tokens drafted, accepted, verification steps.
+    pub fn on_drafts(&mut self, drafted: u64, accepted: u64, steps: u64) {
+        self.n_draft_tokens += drafted;
+        self.n_draft_accepted += accepted;
+        self.n_draft_verif_steps += steps;
+    }
+
     /// The Prometheus text of a scrape; the throughput buckets start over afterwards.
     pub fn scrape(&mut self) -> String {
         let counters = [
@@ -113,9 +126,17 @@ impl Metrics {
                 self.n_decode as f64,
             ),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max as f64),
-            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0.0),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0.0),
-            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0.0),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", self.n_draft_tokens as f64),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "Speculative: Total draft tokens accepted by the target model",
+                self.n_draft_accepted as f64,
+            ),
+            (
+                "spec_decode_num_drafts_total",
+                "Speculative: Total speculative decoding verification steps",
+                self.n_draft_verif_steps as f64,
+            ),
         ];
         let gauges = [
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", self.prompt_bucket.per_second()),

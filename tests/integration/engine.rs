@@ -97,6 +97,32 @@ fn an_evicted_prompt_comes_back_from_the_ram_cache() {
     assert_eq!(lru["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "without the RAM cache slot 0 kept its KV");
 }
 
+/// Speculative decoding never changes greedy output: a draft the model always rejects (a
+/// 3-bit copy of random weights) and one it always accepts (the model itself) both give the
+/// tokens of plain decoding, and the timings count the drafts.
+#[test]
+fn speculative_decoding_keeps_greedy_output() {
+    let m = model("tiny-qwen3moe.gguf");
+    let req = json!({"prompt": "I believe the meaning of life is", "n_predict": 24, "temperature": 0, "return_tokens": true});
+    let plain = Server::start(&["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1"], &[]);
+    let (_, want) = plain.post("/completion", &req);
+    assert!(want["timings"].get("draft_n").is_none(), "{want}");
+    drop(plain);
+    for (draft, all_accepted) in [("tiny-qwen3moe-iq3.gguf", false), ("tiny-qwen3moe.gguf", true)] {
+        let d = model(draft);
+        let args = ["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1", "--spec-type", "draft-simple", "--model-draft", d.to_str().unwrap(), "--spec-draft-n-max", "6"];
+        let server = Server::start(&args, &[]);
+        let (_, got) = server.post("/completion", &req);
+        assert_eq!(got["tokens"], want["tokens"], "draft {draft}");
+        let (drafted, accepted) = (got["timings"]["draft_n"].as_u64().unwrap(), got["timings"]["draft_n_accepted"].as_u64().unwrap());
+        assert!(drafted > 0, "{got}");
+        assert_eq!(accepted == drafted, all_accepted, "draft {draft}: {accepted}/{drafted}");
+        let stream_text = server.post_stream("/completion", &json!({"prompt": "I believe the meaning of life is", "n_predict": 24, "temperature": 0, "stream": true}));
+        let text: String = stream_text.iter().filter_map(|c| c["content"].as_str()).collect();
+        assert_eq!(text, got["content"].as_str().unwrap(), "streamed speculative text");
+    }
+}
+
 /// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
 /// reprocessed, and a repeated request gives the same tokens.
 #[test]
