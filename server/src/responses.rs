@@ -305,6 +305,22 @@ struct Stream {
 }
 
 impl Stream {
+    fn new(resp_id: String, model: String) -> Self {
+        Stream {
+            resp_id,
+            reasoning_id: format!("rs_{}", random_string()),
+            message_id: format!("msg_{}", random_string()),
+            model,
+            created: false,
+            reasoning_started: false,
+            text_started: false,
+            fc_id: String::new(),
+            text: String::new(),
+            prev: json!({}),
+            call_ids: Vec::new(),
+        }
+    }
+
     fn in_progress(&self, name: &str) -> Value {
         event(name, json!({"response": {"id": self.resp_id, "object": "response", "status": "in_progress"}}))
     }
@@ -408,19 +424,7 @@ pub async fn responses(AxState(app): AxState<App>, body: Bytes) -> Result<Respon
         msg
     };
     if params.stream {
-        let mut s = Stream {
-            resp_id,
-            reasoning_id: format!("rs_{}", random_string()),
-            message_id: format!("msg_{}", random_string()),
-            model: alias,
-            created: false,
-            reasoning_started: false,
-            text_started: false,
-            fc_id: String::new(),
-            text: String::new(),
-            prev: json!({}),
-            call_ids: Vec::new(),
-        };
+        let mut s = Stream::new(resp_id, alias);
         let render = move |ev: &Event| -> Vec<Value> {
             match ev {
                 Event::Partial(p) => {
@@ -454,4 +458,135 @@ pub async fn input_tokens(AxState(app): AxState<App>, body: Bytes) -> Result<Jso
     let chat = chat_prompt(&app, &model, to_chat(&body)?)?;
     let n = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0).len();
     Ok(Json(json!({"input_tokens": n, "object": "response.input_tokens"})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{Progress, Timings};
+    use crate::generation::StopType;
+
+    fn convert(body: Value) -> Result<Map<String, Value>, ApiError> {
+        to_chat(body.as_object().unwrap())
+    }
+
+    #[test]
+    fn function_call_round_trip_becomes_chat_messages() {
+        let chat = convert(json!({
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
+                {"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "Checking."}]},
+                {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "warm"}]},
+            ],
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}, {"type": "web_search"}],
+            "max_output_tokens": 16,
+            "reasoning": {"effort": "low"},
+        }))
+        .unwrap();
+        assert_eq!(
+            chat["messages"],
+            json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"text": "Weather in Paris?", "type": "text"}]},
+                {"role": "assistant", "content": [{"text": "Checking.", "type": "text"}], "reasoning_content": "look it up",
+                 "tool_calls": [{"function": {"arguments": "{\"city\":\"Paris\"}", "name": "weather"}, "id": "c1", "type": "function"}]},
+                {"content": "sunny", "role": "tool", "tool_call_id": "c1"},
+                {"content": [{"type": "text", "text": "warm"}], "role": "tool", "tool_call_id": "c1"},
+            ])
+        );
+        assert_eq!(chat["tools"], json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}, "strict": true}}]));
+        assert_eq!(chat["max_tokens"], 16);
+        assert_eq!(chat["reasoning_effort"], "low");
+        for gone in ["input", "instructions", "max_output_tokens", "reasoning"] {
+            assert!(!chat.contains_key(gone), "{gone}");
+        }
+        assert_eq!(chat["model"], "m");
+    }
+
+    #[test]
+    fn unconvertible_input_is_a_400() {
+        for (body, message) in [
+            (json!({}), "'input' is required"),
+            (json!({"input": 1}), "'input' must be a string or array of objects"),
+            (json!({"input": "x", "previous_response_id": "resp_1"}), "llama.cpp does not support 'previous_response_id'."),
+            (json!({"input": [{"role": "assistant", "content": "no type"}]}), "Cannot determine type of 'item'"),
+            (json!({"input": "x", "tools": {}}), "'tools' must be an array of objects"),
+        ] {
+            let e = convert(body).unwrap_err();
+            assert_eq!((e.kind, e.message.as_str()), (crate::error::ErrorType::InvalidRequest, message));
+        }
+    }
+
+    fn partial(n_decoded: usize, progress: bool) -> Partial {
+        Partial {
+            index: 0,
+            content: String::new(),
+            tokens: Vec::new(),
+            id_slot: 0,
+            n_decoded,
+            n_prompt: 4,
+            probs: None,
+            timings: None,
+            progress: progress.then_some(Progress { total: 4, cache: 0, processed: 4, time_ms: 1 }),
+        }
+    }
+
+    fn names(events: &[Value]) -> Vec<&str> {
+        events.iter().map(|e| e["event"].as_str().unwrap()).collect()
+    }
+
+    #[test]
+    fn stream_opens_each_item_once_and_closes_them_in_order() {
+        let mut s = Stream::new("resp_1".into(), "m".into());
+        let call = |args: &str| json!([{"id": "abc", "type": "function", "function": {"name": "weather", "arguments": args}}]);
+        let progress = s.partial(&partial(0, true), json!({"role": "assistant", "content": null}));
+        assert_eq!(names(&progress), ["response.created", "response.in_progress"]);
+        assert_eq!(progress[1]["data"]["prompt_progress"]["total"], 4);
+
+        let first = s.partial(&partial(1, false), json!({"role": "assistant", "content": null, "reasoning_content": "Hm"}));
+        assert_eq!(names(&first), ["response.output_item.added", "response.reasoning_text.delta"]);
+        let text = s.partial(&partial(2, false), json!({"role": "assistant", "reasoning_content": "Hm", "content": "Hi"}));
+        assert_eq!(names(&text), ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]);
+        let calls = s.partial(&partial(3, false), json!({"role": "assistant", "reasoning_content": "Hm", "content": "Hi", "tool_calls": call("{\"ci")}));
+        assert_eq!(names(&calls), ["response.output_item.added", "response.function_call_arguments.delta"]);
+        assert_eq!(calls[0]["data"]["item"]["call_id"], "call_abc");
+        assert_eq!(calls[1]["data"]["item_id"], "fc_abc");
+
+        let full = json!({"role": "assistant", "reasoning_content": "Hm", "content": "Hi", "tool_calls": call("{\"city\":1}")});
+        let f = Final {
+            index: 0,
+            content: String::new(),
+            tokens: Vec::new(),
+            id_slot: 0,
+            n_decoded: 5,
+            n_prompt: 4,
+            stop: StopType::Eos,
+            stopping_word: String::new(),
+            truncated: false,
+            has_new_line: false,
+            timings: Timings { cache_n: 1, ..Default::default() },
+            probs: Vec::new(),
+        };
+        let done = s.finish(&f, &full);
+        assert_eq!(
+            names(&done),
+            [
+                "response.output_item.done",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        let completed = &done[5]["data"];
+        assert_eq!(completed["response"]["usage"], json!({"input_tokens": 4, "output_tokens": 5, "total_tokens": 9, "input_tokens_details": {"cached_tokens": 1}}));
+        assert_eq!(completed["response"]["output"][2]["arguments"], "{\"city\":1}");
+        assert!(completed["timings"].is_object());
+    }
 }
