@@ -20,7 +20,7 @@ use axum::middleware::Next;
 use tokio::sync::mpsc;
 
 use crate::info::{self, origin_is_localhost, ServerInfo};
-use crate::{anthropic, oai};
+use crate::{anthropic, oai, responses};
 
 use crate::engine::{EngineHandle, Event, Final, Partial, SlotAction, State, TaskParams, Timings, TokenProbs};
 use crate::error::{ApiError, ErrorType};
@@ -80,6 +80,10 @@ pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::G
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/chat/completions/input_tokens", post(oai::chat_input_tokens))
         .route("/v1/chat/completions/input_tokens", post(oai::chat_input_tokens))
+        .route("/responses", post(responses::responses))
+        .route("/v1/responses", post(responses::responses))
+        .route("/responses/input_tokens", post(responses::input_tokens))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route("/infill", post(crate::infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -492,17 +496,19 @@ fn final_json_with_probs(f: &Final, model: &str, prompt: &str, post_sampling: bo
 /// error), the rest go out as SSE `data:` lines until every task has finished; an error
 /// mid-stream ends it. `done` is the closing line, if the API has one (`data: [DONE]`).
 /// How a stream is framed: llama-server's own routes end without a marker, the OpenAI ones
-/// with `data: [DONE]`, the Anthropic one with named events (`event:` + `data:`).
+/// with `data: [DONE]`, the Anthropic one with named events (`event:` + `data:`), the
+/// Responses one with named events but OpenAI-framed errors and no closing marker.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Sse {
     Plain,
     OpenAi,
     Anthropic,
+    Responses,
 }
 
 fn sse_write(out: &mut String, style: Sse, v: &Value) {
     match (style, v.get("event").and_then(Value::as_str), v.get("data")) {
-        (Sse::Anthropic, Some(ev), Some(data)) => out.push_str(&format!("event: {ev}\ndata: {data}\n\n")),
+        (Sse::Anthropic | Sse::Responses, Some(ev), Some(data)) => out.push_str(&format!("event: {ev}\ndata: {data}\n\n")),
         _ => out.push_str(&format!("data: {v}\n\n")),
     }
 }

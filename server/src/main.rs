@@ -12,6 +12,7 @@ mod info;
 mod metrics;
 mod oai;
 mod prompt_cache;
+mod responses;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;

@@ -8,6 +8,7 @@ mod fetch;
 mod gemma;
 mod hooks;
 mod http;
+mod responses;
 mod stress;
 mod support;
 mod tokenizer;
