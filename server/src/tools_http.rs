@@ -12,7 +12,7 @@ use axum::{Json, Router};
 use serde_json::{Map, Value};
 
 use crate::cors_proxy::feature_disabled;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorType};
 use crate::mcp::{self, McpManager};
 
 /// Request parameters that only the matching header may set.
@@ -94,21 +94,20 @@ fn apply_header_params(params: &mut Value, headers: &HeaderMap) {
 async fn call(State(cat): State<Arc<Catalogue>>, headers: HeaderMap, body: Bytes) -> Response {
     let mut req = match parse_call(&body) {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => return bare_error(e),
     };
     apply_header_params(&mut req.params, &headers);
-    let Some(def) = mcp::find_tool(&cat.mcp_tools, &req.tool) else {
-        return not_found(format!("unknown tool \"{}\"", req.tool));
+    // llama-server's HTTP layer turns every 404 into its generic "File Not Found" body.
+    let Some(def) = mcp::find_tool(&cat.mcp_tools, &req.tool).filter(|_| !req.stream) else {
+        return ApiError::new(ErrorType::NotFound, "File Not Found").into_response();
     };
-    if req.stream {
-        return not_found(format!("tool \"{}\" does not support stream = true", req.tool));
-    }
     Json(cat.mcp.call_tool(&def.server, &def.name, req.params).await).into_response()
 }
 
-/// llama-server answers an unknown tool with 404 but an invalid-request body.
-fn not_found(message: String) -> Response {
-    (StatusCode::NOT_FOUND, Json(ApiError::invalid(message).body())).into_response()
+/// llama-server's /tools writes the error object without the `{"error": ...}` wrapper.
+fn bare_error(e: ApiError) -> Response {
+    let status = if e.kind == ErrorType::InvalidRequest { StatusCode::BAD_REQUEST } else { StatusCode::INTERNAL_SERVER_ERROR };
+    (status, Json(e.body()["error"].take())).into_response()
 }
 
 #[cfg(test)]
