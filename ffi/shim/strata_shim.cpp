@@ -234,6 +234,12 @@ char * strata_params_json(const strata_params * p) {
         {"verbosity", c.verbosity},
         {"sampling", sampling_json(c.sampling)},
     };
+    // agent features: built-in tools, MCP servers, the Web UI's CORS proxy
+    j["ui_mcp_proxy"] = c.ui_mcp_proxy;
+    j["server_tools"] = c.server_tools;
+    j["server_tools_runtime"] = c.server_tools_runtime;
+    j["mcp_servers_config"] = c.mcp_servers_config;
+    j["mcp_servers_json"] = c.mcp_servers_json;
     return dup_string(j.dump());
 }
 

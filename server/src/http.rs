@@ -59,7 +59,13 @@ impl App {
     }
 }
 
+#[cfg(test)]
 pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::Gcp>) -> Router {
+    router_with(engine, info, gcp, Router::new())
+}
+
+/// `extra` holds routes that need no model (tools, CORS proxy); they sit behind the same gate.
+pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::Gcp>, extra: Router) -> Router {
     let app = App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() };
     let routes = Router::new()
         .route("/health", get(health))
@@ -87,7 +93,8 @@ pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::G
         .route("/infill", post(crate::infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .with_state(app.clone());
+        .with_state(app.clone())
+        .merge(extra);
     // --api-prefix puts every route under one path, as llama-server does.
     let prefix = app.info.api_prefix.clone();
     let routes = if prefix.is_empty() { routes } else { Router::new().nest(&prefix, routes) };
@@ -118,9 +125,28 @@ fn middleware_error(status: StatusCode, message: &str, ty: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// Without a model there is nothing to load: only `extra`, /health and the gate's CORS and keys.
+pub fn modelless_router(info: ServerInfo, extra: Router) -> Router {
+    let info = Arc::new(info);
+    let routes = Router::new().route("/health", get(health)).route("/v1/health", get(health)).merge(extra);
+    let routes = if info.api_prefix.is_empty() { routes } else { Router::new().nest(&info.api_prefix, routes) };
+    routes
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(info, modelless_gate))
+        .layer(axum::middleware::map_response(server_header))
+}
+
+async fn modelless_gate(AxState(info): AxState<Arc<ServerInfo>>, req: Request, next: Next) -> Response {
+    gate_with(&info, true, req, next).await
+}
+
 /// llama-server's pre-routing: CORS (and OPTIONS preflight), 503 while loading, API keys.
 async fn gate(AxState(app): AxState<App>, req: Request, next: Next) -> Response {
-    let info = &app.info;
+    let ready = app.engine.state() == State::Ready;
+    gate_with(&app.info, ready, req, next).await
+}
+
+async fn gate_with(info: &ServerInfo, ready: bool, req: Request, next: Next) -> Response {
     let origin = header(&req, "origin").to_string();
     let allow_origin = if info.cors_credentials && info.cors_origins == "*" {
         Some(origin.clone())
@@ -143,7 +169,7 @@ async fn gate(AxState(app): AxState<App>, req: Request, next: Next) -> Response 
             }
         }
         r
-    } else if app.engine.state() != State::Ready {
+    } else if !ready {
         middleware_error(StatusCode::SERVICE_UNAVAILABLE, "Loading model", "unavailable_error")
     } else if !info.api_keys.is_empty() && !is_public(req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
         middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")

@@ -1,6 +1,8 @@
 //! strata-server: llama-server's command line and HTTP API over the pinned, patched llama.cpp.
 
+mod agent;
 mod anthropic;
+mod cors_proxy;
 mod engine;
 mod error;
 mod flags;
@@ -9,10 +11,12 @@ mod generation;
 mod http;
 mod infill;
 mod info;
+mod mcp;
 mod metrics;
 mod oai;
 mod prompt_cache;
 mod responses;
+mod tools_http;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -71,7 +75,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let port = gcp.as_ref().and_then(|g| g.port).map_or(cfg["port"].as_i64().unwrap_or(8080), i64::from);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
     if model_path.as_os_str().is_empty() {
-        anyhow::bail!("no model given (-m); llama-server's router mode is not supported by strata-server yet");
+        return serve_modelless(&cfg, &hosts, port as u16);
     }
     let model_alias = cfg["model_alias"]
         .as_array()
@@ -124,17 +128,43 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
-        let app = http::router(engine, info, gcp.as_ref());
+        let agent = agent::Agent::start(&cfg).await.context("MCP starting failed")?;
+        let app = http::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
         }
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => Ok(()),
+            _ = tokio::signal::ctrl_c() => {
+                agent.mcp.close_all().await;
+                Ok(())
+            }
             msg = load_failed => {
                 eprintln!("main: {msg}");
                 anyhow::bail!("exiting due to model loading error");
             }
         }
+    })
+}
+
+/// No model: llama-server would run as a router; until that exists, serve what needs no model.
+fn serve_modelless(cfg: &serde_json::Value, hosts: &[String], port: u16) -> Result<()> {
+    eprintln!("main: no model given (-m): serving only the routes that need no model (router mode is not supported yet)");
+    let info = info::ServerInfo::from_params(cfg, String::new(), 0);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let mut listeners = Vec::new();
+        for host in hosts {
+            listeners.push(Listener::bind(host, port).await?);
+        }
+        let agent = agent::Agent::start(cfg).await.context("MCP starting failed")?;
+        let app = http::modelless_router(info, agent.routes);
+        for l in listeners {
+            eprintln!("main: server is listening on {}", l.describe()?);
+            tokio::spawn(accept_loop(l, app.clone()));
+        }
+        tokio::signal::ctrl_c().await?;
+        agent.mcp.close_all().await;
+        Ok(())
     })
 }
 
