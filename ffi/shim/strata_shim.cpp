@@ -213,6 +213,11 @@ char * strata_params_json(const strata_params * p) {
         {"verbosity", c.verbosity},
         {"sampling", sampling_json(c.sampling)},
     };
+
+    // built-in tools: --tools, --tools-runtime
+    j["server_tools"]         = c.server_tools;
+    j["server_tools_runtime"] = c.server_tools_runtime;
+
     return dup_string(j.dump());
 }
 
