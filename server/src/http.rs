@@ -59,7 +59,13 @@ impl App {
     }
 }
 
+#[cfg(test)]
 pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::Gcp>) -> Router {
+    router_with(engine, info, gcp, Router::new())
+}
+
+/// `extra` holds routes kept in their own modules; they sit behind the same prefix and gate.
+pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::Gcp>, extra: Router) -> Router {
     let app = App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() };
     let routes = Router::new()
         .route("/health", get(health))
@@ -83,7 +89,8 @@ pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::gcp::G
         .route("/infill", post(crate::infill::infill))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .with_state(app.clone());
+        .with_state(app.clone())
+        .merge(extra);
     // --api-prefix puts every route under one path, as llama-server does.
     let prefix = app.info.api_prefix.clone();
     let routes = if prefix.is_empty() { routes } else { Router::new().nest(&prefix, routes) };

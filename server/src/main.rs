@@ -11,6 +11,7 @@ mod infill;
 mod info;
 mod metrics;
 mod oai;
+mod tools;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -86,6 +87,10 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
     }
 
+    let tools = tools::Tools::from_params(&cfg).context("tools setup failed")?;
+    if tools.is_some() {
+        eprintln!("main: security: server tools (experimental) enabled - do not expose to untrusted environments");
+    }
     let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -118,7 +123,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
-        let app = http::router(engine, info, gcp.as_ref());
+        let app = http::router_with(engine, info, gcp.as_ref(), tools::routes(tools));
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
         }
