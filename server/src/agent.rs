@@ -8,6 +8,7 @@ use axum::Router;
 use serde_json::Value;
 
 use crate::mcp::{ConfigError, McpManager};
+use crate::tools::Tools;
 use crate::{cors_proxy, tools_http};
 
 pub struct Agent {
@@ -17,10 +18,11 @@ pub struct Agent {
 
 impl Agent {
     /// Starts the configured MCP servers long enough to list their tools, then builds the routes.
-    pub async fn start(cfg: &Value) -> Result<Self, ConfigError> {
+    /// `tools`: the built-in tools --tools enables, if any.
+    pub async fn start(cfg: &Value, tools: Option<Arc<Tools>>) -> Result<Self, ConfigError> {
         let s = |k: &str| cfg[k].as_str().unwrap_or_default().to_string();
         let mcp = Arc::new(McpManager::start(&s("mcp_servers_config"), &s("mcp_servers_json")).await?);
-        let builtin = cfg["server_tools"].as_array().is_some_and(|a| !a.is_empty());
+        let builtin = tools.is_some();
         let proxy = cfg["ui_mcp_proxy"].as_bool().unwrap_or(false);
 
         let mut enabled = Vec::new();
@@ -40,7 +42,7 @@ impl Agent {
             eprintln!("srv  security: {} enabled - do not expose to untrusted environments", enabled.join(", "));
         }
 
-        let routes = cors_proxy::routes(proxy).merge(tools_http::routes(builtin, mcp.clone()));
+        let routes = cors_proxy::routes(proxy).merge(tools_http::routes(tools, mcp.clone()));
         Ok(Self { routes, mcp })
     }
 }

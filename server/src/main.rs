@@ -17,6 +17,7 @@ mod oai;
 mod prompt_cache;
 mod responses;
 mod tools_http;
+mod tools;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -92,6 +93,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
     }
 
+    let tools = tools::Tools::from_params(&cfg).context("tools setup failed")?;
     let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -128,7 +130,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
-        let agent = agent::Agent::start(&cfg).await.context("MCP starting failed")?;
+        let agent = agent::Agent::start(&cfg, tools).await.context("MCP starting failed")?;
         let app = http::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
@@ -150,13 +152,14 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
 fn serve_modelless(cfg: &serde_json::Value, hosts: &[String], port: u16) -> Result<()> {
     eprintln!("main: no model given (-m): serving only the routes that need no model (router mode is not supported yet)");
     let info = info::ServerInfo::from_params(cfg, String::new(), 0);
+    let tools = tools::Tools::from_params(cfg).context("tools setup failed")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let mut listeners = Vec::new();
         for host in hosts {
             listeners.push(Listener::bind(host, port).await?);
         }
-        let agent = agent::Agent::start(cfg).await.context("MCP starting failed")?;
+        let agent = agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
         let app = http::modelless_router(info, agent.routes);
         for l in listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

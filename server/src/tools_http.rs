@@ -14,22 +14,27 @@ use serde_json::{Map, Value};
 use crate::cors_proxy::feature_disabled;
 use crate::error::{ApiError, ErrorType};
 use crate::mcp::{self, McpManager};
+use crate::tools::{self, Tools};
 
 /// Request parameters that only the matching header may set.
 const HEADER_PARAMS: &[(&str, &str)] = &[("cwd", "x-tool-cwd"), ("runtime", "x-tool-runtime"), ("resp_type", "x-resp-type")];
 
 struct Catalogue {
+    builtin: Option<Arc<Tools>>,
     mcp: Arc<McpManager>,
     /// MCP tools under their public names, minus any that collided with an earlier one.
     mcp_tools: Vec<mcp::ToolDef>,
 }
 
-/// The /tools routes. `builtin_enabled` is --tools given.
-pub fn routes(builtin_enabled: bool, mcp: Arc<McpManager>) -> Router {
-    if !builtin_enabled && mcp.is_empty() {
+/// The /tools routes: the built-in tools --tools enables first, then the MCP servers' tools.
+pub fn routes(builtin: Option<Arc<Tools>>, mcp: Arc<McpManager>) -> Router {
+    if builtin.is_none() && mcp.is_empty() {
         return Router::new().route("/tools", get(feature_disabled).post(feature_disabled));
     }
-    let mut seen = std::collections::HashSet::new();
+    let mut seen: std::collections::HashSet<String> = builtin
+        .as_ref()
+        .map(|b| b.describe().as_array().into_iter().flatten().filter_map(|t| t["tool"].as_str().map(String::from)).collect())
+        .unwrap_or_default();
     let mut mcp_tools = Vec::new();
     for def in mcp.tools() {
         let name = def.public_name();
@@ -42,12 +47,14 @@ pub fn routes(builtin_enabled: bool, mcp: Arc<McpManager>) -> Router {
     if !mcp_tools.is_empty() {
         eprintln!("srv  tools: added {} MCP tools", mcp_tools.len());
     }
-    let cat = Arc::new(Catalogue { mcp, mcp_tools });
+    let cat = Arc::new(Catalogue { builtin, mcp, mcp_tools });
     Router::new().route("/tools", get(list).post(call)).with_state(cat)
 }
 
 async fn list(State(cat): State<Arc<Catalogue>>) -> Json<Value> {
-    Json(Value::Array(cat.mcp_tools.iter().map(mcp::listing_entry).collect()))
+    let mut all = cat.builtin.as_ref().and_then(|b| b.describe().as_array().cloned()).unwrap_or_default();
+    all.extend(cat.mcp_tools.iter().map(mcp::listing_entry));
+    Json(Value::Array(all))
 }
 
 /// The body's fields, with llama-server's (nlohmann's) wording for a missing or mistyped one.
@@ -92,6 +99,13 @@ fn apply_header_params(params: &mut Value, headers: &HeaderMap) {
 }
 
 async fn call(State(cat): State<Arc<Catalogue>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Some(builtin) = cat.builtin.as_ref() {
+        let name = serde_json::from_slice::<Value>(&body).ok().and_then(|v| v["tool"].as_str().map(String::from));
+        // A built-in tool, or a request only the built-in parser can answer precisely.
+        if cat.mcp_tools.is_empty() || name.as_deref().is_none_or(|n| builtin.has(n)) {
+            return tools::call(builtin.clone(), headers, body).await;
+        }
+    }
     let mut req = match parse_call(&body) {
         Ok(r) => r,
         Err(e) => return bare_error(e),
