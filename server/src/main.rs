@@ -11,6 +11,7 @@ mod infill;
 mod info;
 mod metrics;
 mod oai;
+mod router;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -28,6 +29,7 @@ extern "C" fn print_strata_usage(_argc: c_int, _argv: *mut *mut c_char) {
 }
 
 fn main() -> ExitCode {
+    let child = router::ChildLink::from_env();
     let args: Vec<String> = std::env::args().collect();
     let (strata_args, llama_args) = match flags::split(&args) {
         Ok(split) => split,
@@ -45,8 +47,11 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(link) = child.as_ref().filter(|l| l.mode == router::ChildMode::Download) {
+        return router::run_download(link, params);
+    }
     params.apply_server_defaults();
-    match serve(params, strata_args) {
+    match serve(params, strata_args, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("strata-server: error: {e:#}");
@@ -55,7 +60,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
+fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String], child: Option<std::sync::Arc<router::ChildLink>>) -> Result<()> {
     for flag in strata.own_flags() {
         eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
     }
@@ -68,8 +73,8 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let gcp = gcp::Gcp::from_env();
     let port = gcp.as_ref().and_then(|g| g.port).map_or(cfg["port"].as_i64().unwrap_or(8080), i64::from);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
-    if model_path.as_os_str().is_empty() {
-        anyhow::bail!("no model given (-m); llama-server's router mode is not supported by strata-server yet");
+    if router::is_router(&cfg) {
+        return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
     }
     let model_alias = cfg["model_alias"]
         .as_array()
@@ -118,6 +123,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 }
             }
         };
+        if let Some(link) = child {
+            tokio::spawn(link.follow_engine(engine.clone(), std::sync::Arc::new(info.clone())));
+        }
         let app = http::router(engine, info, gcp.as_ref());
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
