@@ -8,6 +8,7 @@ mod fetch;
 mod gemma;
 mod hooks;
 mod http;
+mod router;
 mod stress;
 mod support;
 mod tokenizer;

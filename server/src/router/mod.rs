@@ -201,10 +201,9 @@ struct Forward {
 
 async fn route_to(app: &RouterApp, name: &str, autoload: bool, update_last_used: bool, fwd: Forward) -> Result<Response, ApiError> {
     let name = validate(app, name, autoload).await?;
-    if autoload {
-        app.models.ensure_ready(&name).await?;
-    }
+    let ticket = if autoload { Some(app.models.ensure_ready(&name).await?) } else { None };
     let (port, guard) = app.models.begin_request(&name, update_last_used)?;
+    drop(ticket);
     if app.models.cfg.fake_timing {
         tokio::time::sleep(models::FAKE_DELAY).await;
     }

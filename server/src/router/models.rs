@@ -809,8 +809,9 @@ impl Models {
     }
 
     /// Makes sure the model is running, loading it (through the queue when --models-max is
-    /// reached) and waiting until it is ready. Ok(true) when it had to wait.
-    pub async fn ensure_ready(self: &Arc<Self>, name: &str) -> Result<bool, ApiError> {
+    /// reached) and waiting until it is ready. Hold the ticket until the request is under way
+    /// (`begin_request`): while it lives the model stays queued, so it cannot be evicted.
+    pub async fn ensure_ready(self: &Arc<Self>, name: &str) -> Result<ReadyTicket, ApiError> {
         let meta = self.get_meta(name).await.ok_or_else(|| ApiError::server(format!("model name={name} is not found")))?;
         let mut rx = self.changed.subscribe();
         let mut slot = QueueSlot { models: self.clone(), name: meta.name.clone(), queued: false };
@@ -818,7 +819,7 @@ impl Models {
             let mut inner = self.lock();
             let stopping = inner.stopping.contains(&meta.name);
             if !stopping && meta.is_ready_or_sleep() {
-                return Ok(false);
+                return Ok(ReadyTicket { _slot: slot });
             }
             if inner.models.get(&meta.name).is_some_and(|i| i.meta.status == Status::Unloaded) {
                 self.join_queue(&mut inner, &meta.name);
@@ -876,7 +877,7 @@ impl Models {
             }
             self.wait_change(&mut rx).await;
         }
-        Ok(true)
+        Ok(ReadyTicket { _slot: slot })
     }
 
     /// Marks a request as in flight on the model; the guard ends it.
@@ -892,6 +893,11 @@ impl Models {
         inst.req_count += 1;
         Ok((inst.meta.port, RequestGuard { models: self.clone(), name: name.to_string() }))
     }
+}
+
+/// See `Models::ensure_ready`.
+pub struct ReadyTicket {
+    _slot: QueueSlot,
 }
 
 /// Leaves the load queue when a waiting request ends, however it ends (the client may go away).
