@@ -64,14 +64,14 @@ impl ChildLink {
             for line in std::io::stdin().lock().lines() {
                 match line {
                     Ok(l) if l.contains(CMD_EXIT) => {
-                        eprintln!("srv child: exit command received, exiting...");
+                        log("srv child: exit command received, exiting...");
                         std::process::exit(0);
                     }
                     Ok(_) => {}
                     Err(_) => break,
                 }
             }
-            eprintln!("srv child: EOF on stdin detected, forcing shutdown...");
+            log("srv child: EOF on stdin detected, forcing shutdown...");
             std::process::exit(1);
         });
     }
@@ -80,6 +80,7 @@ impl ChildLink {
     /// then every change between sleeping and awake.
     pub async fn follow_engine(self: Arc<Self>, engine: EngineHandle, info: Arc<ServerInfo>) {
         self.notify("loading", json!({}));
+        self.watch_stdin();
         let mut state = engine.state_watch();
         loop {
             if *state.borrow_and_update() == State::Ready {
@@ -91,7 +92,6 @@ impl ChildLink {
         }
         let payload = engine.model().map(|m| info::model_info(&info, &m, engine.n_ctx_slot())).unwrap_or_else(|| json!({}));
         self.notify("ready", payload);
-        self.watch_stdin();
         let mut sleeping = false;
         loop {
             tokio::time::sleep(SLEEP_POLL).await;
@@ -104,12 +104,17 @@ impl ChildLink {
     }
 }
 
+/// A line on stderr that cannot fail: once the router is gone, so is the reader of our stderr.
+fn log(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// A download child: fetch the model files the parsed flags name, report, wait to be stopped.
 pub fn run_download(link: &ChildLink, mut params: strata_ffi::ServerParams) -> std::process::ExitCode {
     let result = match strata_ffi::router_download(&mut params) {
         Ok(()) => "download_finished",
         Err(e) => {
-            eprintln!("srv child: download failed: {e}");
+            log(&format!("srv child: download failed: {e}"));
             "download_failed"
         }
     };
