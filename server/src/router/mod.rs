@@ -225,7 +225,7 @@ async fn proxy_post(State(app): State<RouterApp>, Query(q): Params, OriginalUri(
 }
 
 async fn get_props(State(app): State<RouterApp>, q: Params, uri: OriginalUri, headers: HeaderMap) -> Result<Response, ApiError> {
-    if q.get("model").map_or(true, String::is_empty) {
+    if q.get("model").is_none_or(String::is_empty) {
         return Ok(Json(app.props.as_ref().clone()).into_response());
     }
     proxy_get(State(app), q, uri, headers).await

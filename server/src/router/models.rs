@@ -313,7 +313,7 @@ impl Models {
                 .models
                 .values()
                 .filter(|i| i.meta.is_running())
-                .filter(|i| by_name.get(&i.meta.name).map_or(true, |m| m.base_args != i.meta.base_args))
+                .filter(|i| by_name.get(&i.meta.name).is_none_or(|m| m.base_args != i.meta.base_args))
                 .map(|i| i.meta.name.clone())
                 .collect()
         };
@@ -656,7 +656,7 @@ impl Models {
             eprintln!("srv router: failed to parse child state update for name={name}: {msg}");
             return;
         };
-        if !self.lock().models.get(name).is_some_and(|i| i.spawn_id == spawn_id) {
+        if self.lock().models.get(name).is_none_or(|i| i.spawn_id != spawn_id) {
             return;
         }
         let payload = data.get("payload").cloned().unwrap_or(json!({}));
