@@ -140,7 +140,11 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
             let models = models.clone();
             async move { models.load_startup_models().await }
         });
-        let _ = tokio::signal::ctrl_c().await;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
         eprintln!("srv router: cleaning up before exit...");
         models.unload_all().await;
         Ok(())
