@@ -152,6 +152,27 @@ int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq
 int32_t strata_speculative_n_max(const strata_speculative * s);
 void                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted);
 
+// ---- router mode ----------------------------------------------------------------------------
+
+// The models a router offers (Hugging Face cache, models_dir, models_preset INI, in that order
+// of precedence), each cascaded over the router's own arguments as llama-server's router does:
+// [{"name", "source": "cache|models_dir|preset", "args": [child arguments, no binary, no port],
+//   "ini": "preset text" or null, "aliases", "tags", "stop_timeout": "", "load_on_startup", "hidden"}]
+char * strata_router_models(int argc, char ** argv, const char * models_dir, const char * models_preset, char ** err);
+
+// Validates a Hugging Face repo[:quant] by fetching its metadata (as POST /models does).
+bool strata_router_check_repo(const char * repo, const char * hf_token, char ** err);
+
+// Resolves (downloading if needed) the model files params name; a download child runs this.
+bool strata_router_download(strata_params * p, char ** err);
+
+// Removes a cached Hugging Face model from disk; false when nothing was removed.
+bool strata_router_remove_cached(const char * repo);
+
+// Keeps the process's stdout for messages to a router: returns a duplicate of it and points
+// fd 1 at stderr, so llama.cpp's own prints go to the log. -1 on failure.
+int strata_reserve_stdout(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -16,6 +16,7 @@ mod error;
 pub mod hooks;
 mod model;
 mod params;
+mod router;
 mod sampler;
 mod shim_string;
 mod speculative;
@@ -27,6 +28,7 @@ pub use context::{Context, ContextParams};
 pub use error::{DecodeError, FfiError, Result};
 pub use model::{Model, ModelParams, Token, Vocab};
 pub use params::{ParseOutcome, ServerParams};
+pub use router::{reserve_stdout, router_check_repo, router_download, router_models, router_remove_cached};
 pub use sampler::Sampler;
 pub use speculative::Speculative;
 

@@ -104,8 +104,15 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
     };
     routes
         .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(app, gate))
+        .layer(axum::middleware::from_fn_with_state(Gate { info: app.info.clone(), engine: Some(app.engine.clone()) }, gate))
         .layer(axum::middleware::map_response(server_header))
+}
+
+/// What the gate middleware checks against; a router (no engine of its own) is always ready.
+#[derive(Clone)]
+pub struct Gate {
+    pub info: Arc<ServerInfo>,
+    pub engine: Option<EngineHandle>,
 }
 
 const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
@@ -125,28 +132,9 @@ fn middleware_error(status: StatusCode, message: &str, ty: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// Without a model there is nothing to load: only `extra`, /health and the gate's CORS and keys.
-pub fn modelless_router(info: ServerInfo, extra: Router) -> Router {
-    let info = Arc::new(info);
-    let routes = Router::new().route("/health", get(health)).route("/v1/health", get(health)).merge(extra);
-    let routes = if info.api_prefix.is_empty() { routes } else { Router::new().nest(&info.api_prefix, routes) };
-    routes
-        .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(info, modelless_gate))
-        .layer(axum::middleware::map_response(server_header))
-}
-
-async fn modelless_gate(AxState(info): AxState<Arc<ServerInfo>>, req: Request, next: Next) -> Response {
-    gate_with(&info, true, req, next).await
-}
-
 /// llama-server's pre-routing: CORS (and OPTIONS preflight), 503 while loading, API keys.
-async fn gate(AxState(app): AxState<App>, req: Request, next: Next) -> Response {
-    let ready = app.engine.state() == State::Ready;
-    gate_with(&app.info, ready, req, next).await
-}
-
-async fn gate_with(info: &ServerInfo, ready: bool, req: Request, next: Next) -> Response {
+pub async fn gate(AxState(g): AxState<Gate>, req: Request, next: Next) -> Response {
+    let info = &g.info;
     let origin = header(&req, "origin").to_string();
     let allow_origin = if info.cors_credentials && info.cors_origins == "*" {
         Some(origin.clone())
@@ -169,7 +157,7 @@ async fn gate_with(info: &ServerInfo, ready: bool, req: Request, next: Next) -> 
             }
         }
         r
-    } else if !ready {
+    } else if g.engine.as_ref().is_some_and(|e| e.state() != State::Ready) {
         middleware_error(StatusCode::SERVICE_UNAVAILABLE, "Loading model", "unavailable_error")
     } else if !info.api_keys.is_empty() && !is_public(req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
         middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")
@@ -191,17 +179,17 @@ fn api_key_ok(req: &Request, keys: &[String]) -> bool {
     keys.iter().any(|k| k == key)
 }
 
-async fn server_header(mut res: Response) -> Response {
+pub async fn server_header(mut res: Response) -> Response {
     res.headers_mut().insert("server", HeaderValue::from_static("llama.cpp"));
     res
 }
 
-async fn not_found() -> ApiError {
+pub async fn not_found() -> ApiError {
     ApiError::new(ErrorType::NotFound, "File Not Found")
 }
 
 /// Loading is answered by the gate, as llama-server's middleware does; a failed load exits.
-async fn health() -> Json<Value> {
+pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 

@@ -16,8 +16,9 @@ mod metrics;
 mod oai;
 mod prompt_cache;
 mod responses;
-mod tools_http;
+mod router;
 mod tools;
+mod tools_http;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -35,6 +36,7 @@ extern "C" fn print_strata_usage(_argc: c_int, _argv: *mut *mut c_char) {
 }
 
 fn main() -> ExitCode {
+    let child = router::ChildLink::from_env();
     let args: Vec<String> = std::env::args().collect();
     let (strata_args, llama_args) = match flags::split(&args) {
         Ok(split) => split,
@@ -52,8 +54,11 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Some(link) = child.as_ref().filter(|l| l.mode == router::ChildMode::Download) {
+        return router::run_download(link, params);
+    }
     params.apply_server_defaults();
-    match serve(params, strata_args) {
+    match serve(params, strata_args, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("strata-server: error: {e:#}");
@@ -62,7 +67,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
+fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String], child: Option<std::sync::Arc<router::ChildLink>>) -> Result<()> {
     for flag in strata.own_flags() {
         eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
     }
@@ -75,8 +80,8 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
     let gcp = gcp::Gcp::from_env();
     let port = gcp.as_ref().and_then(|g| g.port).map_or(cfg["port"].as_i64().unwrap_or(8080), i64::from);
     let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
-    if model_path.as_os_str().is_empty() {
-        return serve_modelless(&cfg, &hosts, port as u16);
+    if router::is_router(&cfg) {
+        return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
     }
     let model_alias = cfg["model_alias"]
         .as_array()
@@ -131,6 +136,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
             }
         };
         let agent = agent::Agent::start(&cfg, tools).await.context("MCP starting failed")?;
+        if let Some(link) = child {
+            tokio::spawn(link.follow_engine(engine.clone(), std::sync::Arc::new(info.clone())));
+        }
         let app = http::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
             tokio::spawn(accept_loop(l, app.clone()));
@@ -145,29 +153,6 @@ fn serve(params: ServerParams, strata: flags::StrataArgs) -> Result<()> {
                 anyhow::bail!("exiting due to model loading error");
             }
         }
-    })
-}
-
-/// No model: llama-server would run as a router; until that exists, serve what needs no model.
-fn serve_modelless(cfg: &serde_json::Value, hosts: &[String], port: u16) -> Result<()> {
-    eprintln!("main: no model given (-m): serving only the routes that need no model (router mode is not supported yet)");
-    let info = info::ServerInfo::from_params(cfg, String::new(), 0);
-    let tools = tools::Tools::from_params(cfg).context("tools setup failed")?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async move {
-        let mut listeners = Vec::new();
-        for host in hosts {
-            listeners.push(Listener::bind(host, port).await?);
-        }
-        let agent = agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
-        let app = http::modelless_router(info, agent.routes);
-        for l in listeners {
-            eprintln!("main: server is listening on {}", l.describe()?);
-            tokio::spawn(accept_loop(l, app.clone()));
-        }
-        tokio::signal::ctrl_c().await?;
-        agent.mcp.close_all().await;
-        Ok(())
     })
 }
 

@@ -9,6 +9,7 @@ mod gemma;
 mod hooks;
 mod http;
 mod responses;
+mod router;
 mod stress;
 mod support;
 mod tokenizer;
