@@ -46,6 +46,9 @@ pub struct TaskParams {
     pub n_keep: i32,
     /// Tokens dropped per shift (0: half of what is not kept).
     pub n_discard: i32,
+    /// Smallest cached chunk moved by KV shifting to where the new prompt has it (0: none,
+    /// -1: the server's --cache-reuse).
+    pub n_cache_reuse: i32,
     /// Report the top n_probs tokens of each step (0 = none).
     pub n_probs: usize,
     /// Probabilities after the sampler chain instead of the raw softmax.
@@ -285,6 +288,8 @@ pub struct EngineConfig {
     pub slot_prompt_similarity: f32,
     /// A drafter is configured (--spec-type other than none, or a draft model).
     pub speculative: bool,
+    /// --cache-reuse: default smallest chunk reused by KV shifting (0 = off).
+    pub n_cache_reuse: i32,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -354,6 +359,50 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             None => return,
         }
     }
+}
+
+/// llama-server's --cache-reuse: past the common prefix, finds chunks of at least `min_chunk`
+/// tokens that the cached sequence and the new prompt share, and moves their KV entries (by
+/// position shifting) to where the prompt has them. Returns the new number of reusable tokens;
+/// `cache` then holds exactly those.
+fn reuse_chunks(
+    ctx: &mut Context<'_>,
+    mut spec: Option<&mut Speculative>,
+    id: usize,
+    cache: &mut Vec<Token>,
+    prompt: &[Token],
+    n_past: usize,
+    min_chunk: usize,
+) -> usize {
+    let seq = id as i32;
+    let (mut head_c, mut head_p) = (n_past, n_past);
+    slot_log_at(Verbosity::Debug, "update_slots", id, -1, &format!("trying to reuse chunks with size > {min_chunk}, n_past = {n_past}"));
+    while head_c < cache.len() && head_p < prompt.len() {
+        let n_match = cache[head_c..].iter().zip(&prompt[head_p..]).take_while(|(a, b)| a == b).count();
+        if n_match < min_chunk {
+            head_c += 1;
+            continue;
+        }
+        let msg = format!(
+            "reusing chunk with size {n_match}, shifting KV cache [{head_c}, {}) -> [{head_p}, {})",
+            head_c + n_match,
+            head_p + n_match
+        );
+        slot_log_at(Verbosity::Trace, "update_slots", id, -1, &msg);
+        let shift = head_p as i32 - head_c as i32;
+        ctx.seq_rm(seq, head_p as i32, head_c as i32);
+        ctx.seq_add(seq, head_c as i32, (head_c + n_match) as i32, shift);
+        if let Some(s) = spec.as_deref_mut() {
+            s.seq_rm(seq, head_p as i32, head_c as i32);
+            s.seq_add(seq, head_c as i32, (head_c + n_match) as i32, shift);
+        }
+        head_c += n_match;
+        head_p += n_match;
+    }
+    cache.clear();
+    cache.extend_from_slice(&prompt[..head_p]);
+    slot_log_at(Verbosity::Debug, "update_slots", id, -1, &format!("after context reuse, new n_past = {head_p}"));
+    head_p
 }
 
 /// The longest draft that fits: room in the slot's context (one token kept free for a context
@@ -531,6 +580,7 @@ struct Engine<'m> {
     cache_idle_slots: bool,
     kv_unified: bool,
     slot_prompt_similarity: f32,
+    n_cache_reuse: i32,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -601,6 +651,11 @@ impl<'m> Engine<'m> {
                 Some(PromptCache::new(mib, n_ctx))
             }
         };
+        let mut n_cache_reuse = cfg.n_cache_reuse;
+        if n_cache_reuse > 0 && !ctx.can_shift() {
+            srv_log(Verbosity::Warn, "load_model", "cache_reuse is not supported by this context, it will be disabled");
+            n_cache_reuse = 0;
+        }
         let mut cache_idle_slots = cfg.cache_idle_slots;
         if cache_idle_slots {
             if prompt_cache.is_none() {
@@ -629,6 +684,7 @@ impl<'m> Engine<'m> {
             cache_idle_slots,
             kv_unified: cfg.kv_unified,
             slot_prompt_similarity: cfg.slot_prompt_similarity,
+            n_cache_reuse,
         }
     }
 
@@ -819,6 +875,15 @@ impl<'m> Engine<'m> {
         let reusable = task.params.cache_prompt && model.n_swa() == 0 && !slot.draft_stale;
         slot.draft_stale = false;
         let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
+        let n_cache_reuse = if task.params.n_cache_reuse < 0 { self.n_cache_reuse } else { task.params.n_cache_reuse };
+        if reusable && n_cache_reuse > 0 {
+            if self.ctx.can_shift() {
+                keep = reuse_chunks(&mut self.ctx, self.spec.as_mut(), id, &mut slot.cache, &task.prompt, keep, n_cache_reuse as usize);
+            } else {
+                let msg = format!("cache reuse is not supported - ignoring n_cache_reuse = {n_cache_reuse}");
+                slot_log_at(Verbosity::Warn, "update_slots", id, task.id as i64, &msg);
+            }
+        }
         // At least one prompt token must be decoded to get logits for the first sample.
         keep = keep.min(n_prompt - 1);
         if !self.ctx.seq_rm(id as i32, keep as i32, -1) {

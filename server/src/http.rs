@@ -258,6 +258,16 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
         t_max_predict_ms: int_field(body, "t_max_predict_ms", -1)?,
         n_keep: int_field(body, "n_keep", n_keep_default)? as i32,
         n_discard: int_field(body, "n_discard", 0)? as i32,
+        n_cache_reuse: match body.get("n_cache_reuse") {
+            None | Some(Value::Null) => -1,
+            Some(_) => match int_field(body, "n_cache_reuse", 0)? {
+                v if (0..=i32::MAX as i64).contains(&v) => v as i32,
+                v => {
+                    let msg = format!("Field 'n_cache_reuse': Value must be between 0 <= value <= {}, but got {v}", i32::MAX);
+                    return Err(ApiError::invalid(msg));
+                }
+            },
+        },
         n_probs: match body.get("n_probs") {
             Some(v) if !v.is_null() => int_field(body, "n_probs", 0)?,
             _ => body.get("logprobs").and_then(Value::as_i64).unwrap_or(0),

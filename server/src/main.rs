@@ -120,6 +120,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
             cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
             slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
             speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
+            n_cache_reuse: cfg["n_cache_reuse"].as_i64().unwrap_or(0) as i32,
         });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

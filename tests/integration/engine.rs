@@ -123,6 +123,38 @@ fn speculative_decoding_keeps_greedy_output() {
     }
 }
 
+/// --cache-reuse: when a chunk is cut out of the middle of a cached prompt, the tail after it is
+/// moved into place by KV shifting instead of recomputed; n_cache_reuse = 0 in the request
+/// turns that off.
+#[test]
+fn cache_reuse_shifts_a_shared_tail_into_place() {
+    let m = model("tiny-qwen3moe.gguf");
+    let server = Server::start(&["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1", "--cache-ram", "0", "--cache-reuse", "4"], &[]);
+    let head = "The history of the old lighthouse on the northern cape is long and strange. ";
+    let tail = "Every night the keeper climbed the spiral stairs, trimmed the wick, and watched the dark sea until dawn.";
+    let full = greedy(&format!("{head}It was built in 1820 by a merchant. {tail}"), 2);
+    let cut = greedy(&format!("{head}{tail}"), 2);
+    let (_, head_only) = server.post("/tokenize", &json!({"content": head, "add_special": true}));
+    let n_head = head_only["tokens"].as_array().unwrap().len() as u64;
+
+    server.post("/completion", &full);
+    let (_, reused) = server.post("/completion", &cut);
+    let n_prompt = reused["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(reused["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "{reused}");
+
+    server.post("/completion", &full);
+    let mut off = cut.clone();
+    off["n_cache_reuse"] = json!(0);
+    let (_, plain) = server.post("/completion", &off);
+    let cache_n = plain["timings"]["cache_n"].as_u64().unwrap();
+    assert!(cache_n <= n_head && cache_n + 2 >= n_head, "only the common prefix: {cache_n} vs {n_head}");
+
+    let mut bad = cut.clone();
+    bad["n_cache_reuse"] = json!(-2);
+    let (status, err) = server.post("/completion", &bad);
+    assert_eq!(status, 400, "{err}");
+}
+
 /// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
 /// reprocessed, and a repeated request gives the same tokens.
 #[test]
