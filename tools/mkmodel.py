@@ -5,7 +5,8 @@
         [--experts N] [--experts-used K] [--expert-ffn N] [--router-skew S]
         [--quant TYPE] [--quant-rest TYPE] [--shape NAME] [--vocab NAME] [--dry-run]
 
-ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp).
+ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp,
+bert, bert-rerank).
 A preset is a plain dict of hyperparameters; SHAPES holds named overrides
 (--shape) for bigger variants of a preset. Command line options override both.
 
@@ -168,7 +169,24 @@ PRESETS: dict[str, dict] = {
         n_ctx=4096, rope_base=10_000_000.0, rms_eps=1e-6,
         tied_output=False, embd_std=1.0, bias_channel=True,
     ),
+    # BERT encoders as convert_hf_to_gguf.py writes bge-small / bge-reranker:
+    # post-norm LayerNorm blocks with biases, learned absolute positions,
+    # non-causal attention, WordPiece vocabulary.
+    "bert": dict(
+        arch="bert", vocab="bert-bge", template=None,
+        n_layer=2, n_embd=64, n_head=2, n_ff=128,
+        n_ctx=512, norm_eps=1e-12, pooling="mean", cls_labels=None,
+        embd_std=1.0, bias_std=0.1, bias_channel=False, quant_rest="f16",
+    ),
+    "bert-rerank": dict(
+        arch="bert", vocab="bert-bge", template=None,
+        n_layer=2, n_embd=64, n_head=2, n_ff=128,
+        n_ctx=512, norm_eps=1e-12, pooling="rank", cls_labels=["LABEL_0"],
+        embd_std=1.0, bias_std=0.1, bias_channel=False, quant_rest="f16",
+    ),
 }
+
+POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 SHAPES: dict[str, dict[str, dict]] = {
     "qwen3moe": {
@@ -506,7 +524,58 @@ def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
         m.norm(p + "nextn.shared_head_norm.weight", n_embd)
 
 
+def build_bert(m: Model, hp: dict, n_vocab: int) -> None:
+    """BERT encoder (llama.cpp src/models/bert.cpp).
+
+    Linear and LayerNorm biases are N(0, bias_std) so a runtime that drops a bias
+    gives visibly different vectors; LayerNorm weights are 1. position_embd and
+    token_types are f32 like convert_hf_to_gguf.py writes them. A rank preset adds
+    the classification head: cls (n_embd x n_embd, tanh) then cls.output
+    (n_embd -> one score per label)."""
+    n_embd, nh, n_ff, n_ctx = hp["n_embd"], hp["n_head"], hp["n_ff"], hp["n_ctx"]
+    if n_embd % nh:
+        raise SystemExit(f"bert: n_embd {n_embd} must be a multiple of n_head {nh}")
+    bias = normal(hp["bias_std"])
+    m.u32("{arch}.block_count", hp["n_layer"])
+    m.u32("{arch}.context_length", n_ctx)
+    m.u32("{arch}.embedding_length", n_embd)
+    m.u32("{arch}.feed_forward_length", n_ff)
+    m.u32("{arch}.attention.head_count", nh)
+    m.f32("{arch}.attention.layer_norm_epsilon", hp["norm_eps"])
+    m.add_kv("{arch}.attention.causal", VT.BOOL, False)
+    m.u32("{arch}.pooling_type", POOLING_TYPES[hp["pooling"]])
+    if hp["cls_labels"]:
+        m.arr("{arch}.classifier.output_labels", VT.STRING, hp["cls_labels"])
+
+    m.tensors.append(TensorSpec("token_embd.weight", (n_embd, n_vocab), "embd", std=hp["embd_std"]))
+    m.vec("token_types.weight", (n_embd, hp["n_token_types"]), normal(hp["embd_std"]))
+    m.vec("position_embd.weight", (n_embd, n_ctx), normal(hp["embd_std"]))
+    m.norm("token_embd_norm.weight", n_embd)
+    m.vec("token_embd_norm.bias", (n_embd,), bias)
+    for il in range(hp["n_layer"]):
+        p = f"blk.{il}."
+        for name, n_in, n_out in (("attn_q", n_embd, n_embd), ("attn_k", n_embd, n_embd),
+                                  ("attn_v", n_embd, n_embd), ("attn_output", n_embd, n_embd)):
+            m.weight(p + name + ".weight", (n_in, n_out))
+            m.vec(p + name + ".bias", (n_out,), bias)
+        m.norm(p + "attn_output_norm.weight", n_embd)
+        m.vec(p + "attn_output_norm.bias", (n_embd,), bias)
+        m.weight(p + "ffn_up.weight", (n_embd, n_ff))
+        m.vec(p + "ffn_up.bias", (n_ff,), bias)
+        m.weight(p + "ffn_down.weight", (n_ff, n_embd))
+        m.vec(p + "ffn_down.bias", (n_embd,), bias)
+        m.norm(p + "layer_output_norm.weight", n_embd)
+        m.vec(p + "layer_output_norm.bias", (n_embd,), bias)
+    if hp["pooling"] == "rank":
+        n_out = len(hp["cls_labels"] or [None])
+        m.weight("cls.weight", (n_embd, n_embd))
+        m.vec("cls.bias", (n_embd,), bias)
+        m.weight("cls.output.weight", (n_embd, n_out))
+        m.vec("cls.output.bias", (n_out,), bias)
+
+
 BUILDERS = {
+    "bert": build_bert,
     "qwen3moe": build_qwen3moe,
     "llama": build_llama,
     "gemma4": build_gemma4,
@@ -803,6 +872,8 @@ def resolve_hparams(args: argparse.Namespace) -> dict:
             if key not in hp:
                 raise SystemExit(f"{args.arch} has no {key} to override")
             hp[key] = value
+    if args.quant_rest is None:
+        args.quant_rest = hp.get("quant_rest", "q8_0")
     hp["seed"] = args.seed
     hp["router_skew"] = args.router_skew
     if "n_expert" in hp and not 0 < hp["n_expert_used"] <= hp["n_expert"]:
@@ -822,6 +893,15 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
         template = (src / "models" / "templates" / hp["template"]).read_text(encoding="utf-8")
         tok_kv["tokenizer.chat_template"] = pack_kv("tokenizer.chat_template", VT.STRING, template)
     n_vocab = counts["tokenizer.ggml.tokens"]
+    if hp["arch"] == "bert":
+        # the token type count is a tokenizer key (convert_hf_to_gguf.py: type_vocab_size);
+        # BERT vocabularies carry it, others get BERT's 2
+        key = "tokenizer.ggml.token_type_count"
+        if key in tok_kv:
+            hp["n_token_types"] = struct.unpack_from("<I", tok_kv[key], len(tok_kv[key]) - 4)[0]
+        else:
+            hp["n_token_types"] = 2
+            tok_kv[key] = pack_kv(key, VT.UINT32, 2)
 
     m = Model(arch=hp["arch"], n_layer=hp["n_layer"] + hp.get("n_nextn", 0), bias_channel=hp["bias_channel"])
     BUILDERS[hp["arch"]](m, hp, n_vocab)
@@ -857,7 +937,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--expert-ffn", type=int, help="per-expert FFN width")
     ap.add_argument("--router-skew", type=float, default=0.0, help="Zipf exponent of the router bias (0 = uniform)")
     ap.add_argument("--quant", choices=sorted(QUANT_NAMES), default="q8_0", help="type of expert tensors")
-    ap.add_argument("--quant-rest", choices=sorted(QUANT_NAMES), default="q8_0", help="type of other matrices")
+    ap.add_argument("--quant-rest", choices=sorted(QUANT_NAMES),
+                    help="type of other matrices (default: the preset's, else q8_0)")
     ap.add_argument("--vocab", help="vocabulary name: models/ggml-vocab-<name>.gguf")
     ap.add_argument("--dry-run", action="store_true", help="print the tensor plan and size, write nothing")
     ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))

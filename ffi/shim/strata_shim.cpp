@@ -236,6 +236,8 @@ char * strata_params_json(const strata_params * p) {
         {"endpoint_props", c.endpoint_props},
         {"endpoint_metrics", c.endpoint_metrics},
         {"embedding", c.embedding},
+        {"pooling_type", (int) c.pooling_type},
+        {"embd_normalize", c.embd_normalize},
         {"verbosity", c.verbosity},
         {"sampling", sampling_json(c.sampling)},
     };

@@ -70,6 +70,11 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_n_ctx(self.ptr.as_ptr()) }
     }
 
+    pub fn n_ubatch(&self) -> u32 {
+        // SAFETY: valid context.
+        unsafe { sys::llama_n_ubatch(self.ptr.as_ptr()) }
+    }
+
     pub fn n_batch(&self) -> u32 {
         // SAFETY: valid context.
         unsafe { sys::llama_n_batch(self.ptr.as_ptr()) }
@@ -88,6 +93,37 @@ impl<'m> Context<'m> {
         // SAFETY: a non-null result points at n_vocab floats owned by the context, valid until
         // the next decode, which needs &mut self.
         (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n_vocab) })
+    }
+
+    /// llama_pooling_type of this context (0 = none: one embedding per token).
+    pub fn pooling_type(&self) -> i32 {
+        // SAFETY: valid context.
+        unsafe { sys::llama_pooling_type(self.ptr.as_ptr()) as i32 }
+    }
+
+    /// The embedding of batch output `i` (pooling none), n_embd_out floats.
+    pub fn embeddings_ith(&mut self, i: i32) -> Option<&[f32]> {
+        let n = self.model.n_embd_out().max(0) as usize;
+        // SAFETY: valid context; null when i has no embedding.
+        let p = unsafe { sys::llama_get_embeddings_ith(self.ptr.as_ptr(), i) };
+        // SAFETY: a non-null result points at n_embd_out floats owned by the context, valid
+        // until the next decode, which needs &mut self.
+        (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n) })
+    }
+
+    /// The pooled embedding of sequence `seq` (pooling mean/cls/last), or its rank scores
+    /// (pooling rank: n_cls_out floats).
+    pub fn embeddings_seq(&mut self, seq: i32) -> Option<&[f32]> {
+        let n = if self.pooling_type() == sys::LLAMA_POOLING_TYPE_RANK as i32 {
+            // SAFETY: valid model.
+            unsafe { sys::llama_model_n_cls_out(self.model.as_ptr()) as usize }
+        } else {
+            self.model.n_embd_out().max(0) as usize
+        };
+        // SAFETY: valid context; null when the sequence has no pooled embedding.
+        let p = unsafe { sys::llama_get_embeddings_seq(self.ptr.as_ptr(), seq) };
+        // SAFETY: as embeddings_ith.
+        (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n) })
     }
 
     /// Removes positions [p0, p1) of sequence `seq` from the KV cache (p1 < 0: to the end).

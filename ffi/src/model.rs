@@ -86,6 +86,21 @@ impl Model {
         unsafe { sys::llama_model_is_recurrent(self.as_ptr()) || sys::llama_model_is_hybrid(self.as_ptr()) }
     }
 
+    /// Width of the embeddings the model outputs (of the pooled classifier for rerankers).
+    pub fn n_embd_out(&self) -> i32 {
+        // SAFETY: valid model.
+        unsafe { sys::llama_model_n_embd_out(self.as_ptr()) }
+    }
+
+    /// A named chat template stored in the model (e.g. "rerank"), if it has one.
+    pub fn named_template(&self, name: &str) -> Option<String> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: valid model and C string; the result is owned by the model.
+        let p = unsafe { sys::llama_model_chat_template(self.as_ptr(), c.as_ptr()) };
+        // SAFETY: a non-null result is a NUL-terminated string that lives as long as the model.
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
     /// Sliding-window attention size (0 for models without SWA).
     pub fn n_swa(&self) -> i32 {
         // SAFETY: valid model.
@@ -196,6 +211,20 @@ impl Vocab<'_> {
     pub fn add_bos(&self) -> bool {
         // SAFETY: valid vocab.
         unsafe { sys::llama_vocab_get_add_bos(self.ptr.as_ptr()) }
+    }
+
+    pub fn add_eos(&self) -> bool {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_get_add_eos(self.ptr.as_ptr()) }
+    }
+
+    pub fn add_sep(&self) -> bool {
+        // SAFETY: valid vocab.
+        unsafe { sys::llama_vocab_get_add_sep(self.ptr.as_ptr()) }
+    }
+
+    pub fn sep(&self) -> Option<Token> {
+        self.special(sys::llama_vocab_sep)
     }
 
     pub fn tokenize(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {

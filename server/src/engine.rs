@@ -30,8 +30,20 @@ pub enum State {
     Failed(String),
 }
 
+/// What a task asks of its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TaskKind {
+    #[default]
+    Completion,
+    /// Embeddings (/embedding, /v1/embeddings), normalised as common_embd_normalize does.
+    Embedding { normalize: i32 },
+    /// A rerank score (/rerank): the first output of the model's classifier head.
+    Rerank,
+}
+
 #[derive(Debug, Clone)]
 pub struct TaskParams {
+    pub kind: TaskKind,
     /// -1: the server's --n-predict.
     pub n_predict: i32,
     pub stop: Vec<String>,
@@ -170,10 +182,22 @@ pub struct Final {
     pub probs: Vec<TokenProbs>,
 }
 
+/// The answer to an embedding or rerank task.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    pub index: usize,
+    pub n_tokens: usize,
+    /// One pooled vector, or one per prompt token when the context does not pool.
+    pub data: Vec<Vec<f32>>,
+    /// Rerank tasks: the relevance score.
+    pub score: f32,
+}
+
 #[derive(Debug)]
 pub enum Event {
     Partial(Partial),
     Final(Box<Final>),
+    Embedding(Embedding),
     Error(ApiError),
 }
 
@@ -403,6 +427,19 @@ fn reuse_chunks(
     cache.extend_from_slice(&prompt[..head_p]);
     slot_log_at(Verbosity::Debug, "update_slots", id, -1, &format!("after context reuse, new n_past = {head_p}"));
     head_p
+}
+
+/// llama.cpp's common_embd_normalize: -1 none, 0 max-absolute to the int16 range, 2 euclidean,
+/// other p: p-norm.
+pub fn normalize_embedding(v: &[f32], norm: i32) -> Vec<f32> {
+    let sum: f64 = match norm {
+        -1 => 1.0,
+        0 => v.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64)) / 32760.0,
+        2 => v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt(),
+        p => v.iter().map(|&x| (x.abs() as f64).powi(p)).sum::<f64>().powf(1.0 / p as f64),
+    };
+    let scale = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
+    v.iter().map(|&x| x * scale).collect()
 }
 
 /// The longest draft that fits: room in the slot's context (one token kept free for a context
@@ -850,6 +887,10 @@ impl<'m> Engine<'m> {
             let _ = task.events.send(Event::Error(ApiError::invalid("Prompt contains invalid tokens")));
             return;
         }
+        if task.params.kind != TaskKind::Completion {
+            self.start_embedding(id, task);
+            return;
+        }
         if n_prompt >= self.n_ctx_slot {
             let err = ApiError::new(
                 ErrorType::ExceedContextSize,
@@ -929,6 +970,93 @@ impl<'m> Engine<'m> {
         if !a.send_progress(id, keep) {
             self.release(id);
         }
+    }
+
+    /// Embedding and rerank tasks: the whole prompt goes into one ubatch (the model may attend
+    /// both ways), nothing is kept from earlier prompts, and the sequence is dropped afterwards.
+    fn start_embedding(&mut self, id: usize, task: Task) {
+        let n_prompt = task.prompt.len();
+        let n_ubatch = self.ctx.n_ubatch() as usize;
+        if n_prompt > n_ubatch {
+            let msg = format!(
+                "input ({n_prompt} tokens) is too large to process. increase the physical batch size (current batch size: {n_ubatch})"
+            );
+            let _ = task.events.send(Event::Error(ApiError::server(msg)));
+            return;
+        }
+        if n_prompt > self.n_ctx_slot {
+            let msg = format!("input ({n_prompt} tokens) is larger than the max context size ({} tokens). skipping", self.n_ctx_slot);
+            let _ = task.events.send(Event::Error(ApiError::new(ErrorType::ExceedContextSize, msg)));
+            return;
+        }
+        let sampler = match Sampler::new(self.ctx.model(), Some(self.params), &Value::Null) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = task.events.send(Event::Error(ApiError::server(e.to_string())));
+                return;
+            }
+        };
+        self.ctx.seq_rm(id as i32, -1, -1);
+        let slot = &mut self.slots[id];
+        slot.cache.clear();
+        slot.active = Some(Active {
+            gen: Generation::new(Vec::new()),
+            task,
+            sampler,
+            n_predict_max: 0,
+            n_cached: 0,
+            sampled: None,
+            i_batch: None,
+            tokens: Vec::new(),
+            probs: Vec::new(),
+            n_decoded: 0,
+            truncated: false,
+            t_prompt: Instant::now(),
+            prompt_ms: 0.0,
+            t_gen: None,
+            prompt_in_batch: false,
+            draft: Vec::new(),
+            draft_i_batch: Vec::new(),
+            n_draft_total: 0,
+            n_draft_accepted: 0,
+            n_draft_steps: 0,
+        });
+    }
+
+    /// Reads a finished embedding or rerank task's result from the last decode, answers it and
+    /// frees the slot's sequence.
+    fn finish_embedding(&mut self, id: usize) {
+        let pooled = self.ctx.pooling_type() != 0;
+        let (kind, first, n_tokens, index) = {
+            let a = self.slots[id].active.as_ref().expect("an embedding slot is active");
+            (a.task.params.kind, a.i_batch.unwrap_or(0), a.task.prompt.len(), a.task.index)
+        };
+        let n_embd = self.ctx.model().n_embd_out().max(0) as usize;
+        let mut out = Embedding { index, n_tokens, data: Vec::new(), score: 0.0 };
+        match kind {
+            TaskKind::Rerank => {
+                let score = match self.ctx.embeddings_seq(id as i32) {
+                    Some(e) if !e.is_empty() => e[0],
+                    _ => self.ctx.embeddings_ith(first + n_tokens as i32 - 1).and_then(|e| e.first().copied()).unwrap_or(-1e6),
+                };
+                out.score = score;
+            }
+            TaskKind::Embedding { normalize } if pooled => {
+                let v = self.ctx.embeddings_seq(id as i32).map(<[f32]>::to_vec).unwrap_or_else(|| vec![0.0; n_embd]);
+                out.data.push(normalize_embedding(&v, normalize));
+            }
+            TaskKind::Embedding { .. } => {
+                for i in 0..n_tokens as i32 {
+                    let v = self.ctx.embeddings_ith(first + i).map(<[f32]>::to_vec).unwrap_or_else(|| vec![0.0; n_embd]);
+                    out.data.push(v);
+                }
+            }
+            TaskKind::Completion => unreachable!("completions are sampled"),
+        }
+        let a = self.release(id).expect("an embedding slot is active");
+        self.ctx.seq_rm(id as i32, -1, -1);
+        self.slots[id].cache.clear();
+        let _ = a.task.events.send(Event::Embedding(out));
     }
 
     fn release(&mut self, id: usize) -> Option<Active> {
@@ -1084,6 +1212,18 @@ impl<'m> Engine<'m> {
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             let n_prompt = a.task.prompt.len();
+            if a.task.params.kind != TaskKind::Completion {
+                // the whole prompt in this batch, or wait for one with room
+                a.prompt_in_batch = slot.cache.is_empty() && self.batch.len() + n_prompt <= capacity;
+                if a.prompt_in_batch {
+                    a.i_batch = Some(self.batch.len() as i32);
+                    for (pos, &t) in a.task.prompt.iter().enumerate() {
+                        self.batch.add(t, pos as i32, &[slot.id as i32], true).expect("batch has room");
+                        slot.cache.push(t);
+                    }
+                }
+                continue;
+            }
             a.prompt_in_batch = a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
             while a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity {
                 let pos = slot.cache.len();
@@ -1153,6 +1293,12 @@ impl<'m> Engine<'m> {
         }
         for id in 0..self.slots.len() {
             let Some(a) = self.slots[id].active.as_ref() else { continue };
+            if a.task.params.kind != TaskKind::Completion {
+                if a.prompt_in_batch {
+                    self.finish_embedding(id);
+                }
+                continue;
+            }
             if !a.draft.is_empty() {
                 self.verify_draft(id);
             } else if let Some(i) = a.i_batch {

@@ -92,6 +92,13 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route("/infill", post(crate::infill::infill))
         .route("/tokenize", post(tokenize))
+        .route("/embedding", post(crate::embeddings::embeddings))
+        .route("/embeddings", post(crate::embeddings::embeddings))
+        .route("/v1/embeddings", post(crate::embeddings::embeddings_oai))
+        .route("/rerank", post(crate::embeddings::rerank))
+        .route("/reranking", post(crate::embeddings::rerank))
+        .route("/v1/rerank", post(crate::embeddings::rerank))
+        .route("/v1/reranking", post(crate::embeddings::rerank))
         .route("/detokenize", post(detokenize))
         .with_state(app.clone())
         .merge(extra);
@@ -248,6 +255,7 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
         sampling.insert("logit_bias".into(), Value::Array(bias));
     }
     Ok(TaskParams {
+        kind: crate::engine::TaskKind::Completion,
         n_predict: n_predict.clamp(-1, i32::MAX as i64) as i32,
         stop: stop_strings(body)?,
         stream: flag(body, "stream", false),
@@ -656,6 +664,7 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
             v["generation_settings"] = settings.clone();
             vec![select_fields(v, &fields)]
         }
+        Event::Embedding(_) => Vec::new(),
         Event::Error(e) => vec![e.body()],
     };
     if stream {
@@ -678,6 +687,10 @@ pub async fn collect_values(
             ev @ Event::Final(_) => {
                 let Event::Final(f) = &ev else { unreachable!() };
                 results[f.index] = render(&ev).pop();
+            }
+            ev @ Event::Embedding(_) => {
+                let Event::Embedding(e) = &ev else { unreachable!() };
+                results[e.index] = render(&ev).pop();
             }
         }
     }

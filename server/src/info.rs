@@ -36,6 +36,10 @@ pub struct ServerInfo {
     pub n_predict: i64,
     /// A drafter is configured (--spec-type or a draft model).
     pub speculative: bool,
+    /// --embeddings: the embedding routes answer (and --pooling / --embd-normalize for them).
+    pub embedding: bool,
+    pub pooling_type: i64,
+    pub embd_normalize: i32,
     /// --spm-infill: suffix before prefix in infill prompts.
     pub spm_infill: bool,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
@@ -54,6 +58,9 @@ impl ServerInfo {
             model_alias,
             model_aliases: strings(&cfg["model_alias"]),
             speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
+            embedding: cfg["embedding"].as_bool().unwrap_or(false),
+            pooling_type: cfg["pooling_type"].as_i64().unwrap_or(-1),
+            embd_normalize: cfg["embd_normalize"].as_i64().unwrap_or(2) as i32,
             model_tags: strings(&cfg["model_tags"]),
             model_path: s("model"),
             n_parallel,

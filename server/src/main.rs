@@ -3,6 +3,7 @@
 mod agent;
 mod anthropic;
 mod cors_proxy;
+mod embeddings;
 mod engine;
 mod error;
 mod flags;

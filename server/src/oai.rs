@@ -133,6 +133,7 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
                 "usage": usage(f),
                 "id": id,
             }))],
+            Event::Embedding(_) => Vec::new(),
             Event::Error(e) => vec![e.body()],
         }
     };
@@ -421,7 +422,8 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     }
                     out
                 }
-                Event::Error(e) => vec![e.body()],
+                Event::Embedding(_) => Vec::new(),
+            Event::Error(e) => vec![e.body()],
             }
         };
         return stream_response(rx, n_choices, render, Sse::OpenAi).await;

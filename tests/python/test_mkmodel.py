@@ -73,7 +73,17 @@ EXPECTED = {
                           tensors=["blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.3.attn_q.weight",
                                    "blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight",
                                    "blk.4.nextn.hnorm.weight", "blk.4.ffn_gate_exps.weight"]),
+    "bert": dict(arch="bert", kv={"bert.block_count": 2, "bert.pooling_type": 1, "bert.attention.causal": False,
+                                  "bert.context_length": 512, "tokenizer.ggml.token_type_count": 2},
+                 tensors=["token_types.weight", "position_embd.weight", "token_embd_norm.bias",
+                          "blk.1.attn_q.bias", "blk.1.layer_output_norm.bias"]),
+    "bert-rerank": dict(arch="bert", kv={"bert.pooling_type": 4, "bert.attention.causal": False,
+                                         "bert.classifier.output_labels": ["LABEL_0"]},
+                        tensors=["cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias"]),
 }
+
+# f32 by convention although they are matrices (convert_hf_to_gguf.py keeps them f32)
+F32_MATRICES = ("position_embd.weight", "token_types.weight")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -89,7 +99,7 @@ def test_structure(small, preset):
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
     assert int(ts["token_embd.weight"].shape[1]) == n_vocab
     for t in r.tensors:
-        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "ssm_conv1d" in t.name:
+        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "ssm_conv1d" in t.name or t.name in F32_MATRICES:
             assert t.tensor_type == GT.F32, t.name
         elif "_exps." in t.name:
             assert t.tensor_type == GT.Q8_0, t.name
@@ -108,7 +118,7 @@ def test_weights_finite_and_scaled(small, preset):
         assert np.isfinite(x).all(), t.name
         if t.name.endswith("norm.weight"):
             assert np.all(x == 1.0), t.name
-        elif t.tensor_type != GT.F32 and t.name != "token_embd.weight":
+        elif t.tensor_type != GT.F32 and t.name != "token_embd.weight" and x.size >= 1024:
             nz = x[x != 0]
             assert abs(nz.std() / target[t.name] - 1) < 0.15, t.name
 
@@ -231,3 +241,62 @@ def test_big_shape_plan(capsys):
     assert "blk.47.ffn_down_exps.weight" in out and "(512, 2048, 512)" in out
     size_mib = float(out.strip().splitlines()[-1].split("~")[1].split()[0])
     assert 25_000 < size_mib < 35_000
+
+
+def bert_tensor_shapes(n_vocab: int, rank: bool) -> dict[str, tuple[int, ...]]:
+    """every tensor llama.cpp's bert loader reads for the preset sizes (ggml order)."""
+    e, ff = 64, 128
+    shapes = {"token_embd.weight": (e, n_vocab), "token_types.weight": (e, 2), "position_embd.weight": (e, 512),
+              "token_embd_norm.weight": (e,), "token_embd_norm.bias": (e,)}
+    for il in range(2):
+        p = f"blk.{il}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            shapes[p + name + ".weight"] = (e, e)
+            shapes[p + name + ".bias"] = (e,)
+        for name in ("attn_output_norm", "layer_output_norm"):
+            shapes[p + name + ".weight"] = (e,)
+            shapes[p + name + ".bias"] = (e,)
+        shapes.update({p + "ffn_up.weight": (e, ff), p + "ffn_up.bias": (ff,),
+                       p + "ffn_down.weight": (ff, e), p + "ffn_down.bias": (e,)})
+    if rank:
+        shapes.update({"cls.weight": (e, e), "cls.bias": (e,), "cls.output.weight": (e, 1), "cls.output.bias": (1,)})
+    return shapes
+
+
+@pytest.mark.parametrize("preset", ["bert", "bert-rerank"])
+def test_bert(small, preset):
+    r = small[preset]
+    rank = preset == "bert-rerank"
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    got = {t.name: tuple(int(n) for n in t.shape) for t in r.tensors}
+    assert got == bert_tensor_shapes(n_vocab, rank)
+    for key, value in {"bert.embedding_length": 64, "bert.feed_forward_length": 128,
+                       "bert.attention.head_count": 2, "bert.pooling_type": 4 if rank else 1,
+                       "bert.attention.causal": False}.items():
+        assert kv(r, key) == value, key
+    assert kv(r, "bert.attention.layer_norm_epsilon") == pytest.approx(1e-12)
+    assert ("bert.classifier.output_labels" in r.fields) == rank
+    assert "bert.attention.head_count_kv" not in r.fields and "output.weight" not in got
+    ts = tensors(r)
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        assert ts[name].tensor_type == GT.F16, name
+    for t in r.tensors:
+        x = dequant(t)
+        if t.name.endswith(".bias"):   # random, so a dropped bias shows
+            assert x.std() > 0.05 or x.size == 1, t.name
+
+
+def test_bert_real_vocab(tmp_path):
+    path = generate(tmp_path / "b.gguf", "bert-rerank", "--seed", "3")
+    raw, counts = mkmodel.scan_kvs(path)
+    src, _ = mkmodel.scan_kvs(mkmodel.llama_src() / "models" / "ggml-vocab-bert-bge.gguf")
+    assert raw["tokenizer.ggml.model"].endswith(b"bert")
+    for key in ("tokenizer.ggml.cls_token_id", "tokenizer.ggml.seperator_token_id", "tokenizer.ggml.padding_token_id",
+                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.mask_token_id", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.token_type_count"):
+        assert raw[key] == src[key], key
+    assert counts["tokenizer.ggml.tokens"] == 30522
+    assert mkmodel.main(["bert", "--quant-rest", "q8_0", "--vocab", SMALL_VOCAB, "--out", str(tmp_path / "q.gguf")]) == 0
+    ts = tensors(gguf.GGUFReader(tmp_path / "q.gguf"))
+    assert ts["blk.0.attn_q.weight"].tensor_type == GT.Q8_0
+    assert ts["position_embd.weight"].tensor_type == GT.F32

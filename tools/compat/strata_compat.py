@@ -25,6 +25,9 @@ PRESET_MODELS = {
     "tinyllama_infill": "tiny-llama.gguf",
     "stories15m_moe": "tiny-qwen3moe.gguf",
     "tinygemma3": "gemma3-270m-q4_k_m.gguf",
+    "bert_bge_small": "tiny-bert-embd.gguf",
+    "bert_bge_small_with_fa": "tiny-bert-embd.gguf",
+    "jina_reranker_tiny": "tiny-bert-rerank.gguf",
     "tinylaya": "gemma3-270m-q4_k_m.gguf",
     "tinyopenjev": "gemma3-270m-q4_k_m.gguf",
 }
