@@ -186,8 +186,29 @@ fn api_key_ok(req: &Request, keys: &[String]) -> bool {
     keys.iter().any(|k| k == key)
 }
 
+/// What llama-server's HTTP layer does to every answer: its Server header, UTF-8 JSON, unbuffered
+/// event streams, and one body for every 404.
 pub async fn server_header(mut res: Response) -> Response {
-    res.headers_mut().insert("server", HeaderValue::from_static("llama.cpp"));
+    const NOT_FOUND_BODY: &str = r#"{"error":{"message":"File Not Found","type":"not_found_error","code":404}}"#;
+    if res.status() == StatusCode::NOT_FOUND {
+        let headers = std::mem::take(res.headers_mut());
+        res = (StatusCode::NOT_FOUND, NOT_FOUND_BODY).into_response();
+        for (k, v) in headers.iter().filter(|(k, _)| k.as_str().starts_with("access-control-")) {
+            res.headers_mut().insert(k.clone(), v.clone());
+        }
+        res.headers_mut().insert("content-type", HeaderValue::from_static("application/json; charset=utf-8"));
+    }
+    let h = res.headers_mut();
+    h.insert("server", HeaderValue::from_static("llama.cpp"));
+    match h.get("content-type").map(HeaderValue::as_bytes) {
+        Some(b"application/json") => {
+            h.insert("content-type", HeaderValue::from_static("application/json; charset=utf-8"));
+        }
+        Some(b"text/event-stream") if !h.contains_key("x-accel-buffering") => {
+            h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+        }
+        _ => {}
+    }
     res
 }
 
