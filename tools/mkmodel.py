@@ -4,6 +4,7 @@
     python3 tools/mkmodel.py ARCH --out FILE [--seed N] [--layers N] [--embd N]
         [--experts N] [--experts-used K] [--expert-ffn N] [--router-skew S]
         [--quant TYPE] [--quant-rest TYPE] [--shape NAME] [--vocab NAME] [--dry-run]
+        [--lora-rank R [--lora-alpha A] [--lora-targets T,...] [--lora-type f32|f16] [--lora-gain G]]
 
 ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp,
 bert, bert-rerank).
@@ -75,6 +76,29 @@ tokens, averaged over the 4 layers):
     S = 0  0.23 .. 0.27 for every rank (0.25 = uniform)
     S = 1  .88 .68 .50 .40 .31 .23 .21 .17 .12 .12 .09 .08 .07 .04 .05 .05
     S = 2  .99 .93 .72 .52 .32 .18 .13 .08 .04 .03 .02 .01 .01 .01 .01 .00
+
+LoRA adapters
+-------------
+With --lora-rank R the output is not a model but a LoRA adapter GGUF (as
+convert_lora_to_gguf.py writes them) for the model that the same arguments
+would write: general.type = "adapter", adapter.type = "lora",
+adapter.lora.alpha = A (--lora-alpha, default R), general.architecture of the
+base, and for every layer and every target T (--lora-targets, default
+attn_q,attn_v,ffn_up,ffn_down) a pair
+
+    blk.N.T.weight.lora_a   ne = (n_in, R)      [ggml order]
+    blk.N.T.weight.lora_b   ne = (R, n_out)
+
+where blk.N.T.weight has ne = (n_in, n_out); llama.cpp (llama-adapter.cpp)
+checks exactly these shapes and adds scale * A/R * B(A x) to W x. lora_a is
+N(0, 1/n_in) and lora_b is scaled so that at adapter scale 1 the entries of
+(A/R) * B A have G (--lora-gain, default 1) times the standard deviation of
+the base matrix: at scale 1 the adapter is as strong as the weights it
+modifies, enough to change greedy output, and at scale 0 it is a no-op. The
+bias-channel rules above carry over (lora_a input column 0 / lora_b output
+row 0 are zero where the base matrix's are). Tensor values come from the same
+per-name generators as the model's, seeded from (--seed, crc32(name)); the
+tokenizer is not copied.
 """
 
 from __future__ import annotations
@@ -906,6 +930,8 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
     m = Model(arch=hp["arch"], n_layer=hp["n_layer"] + hp.get("n_nextn", 0), bias_channel=hp["bias_channel"])
     BUILDERS[hp["arch"]](m, hp, n_vocab)
     assign_types(m, QUANT_NAMES[args.quant], QUANT_NAMES[args.quant_rest])
+    if args.lora_rank is not None:
+        return plan_lora(m, args, hp)
 
     main_type = QUANT_NAMES[args.quant] if any(t.role == "expert" for t in m.tensors) else QUANT_NAMES[args.quant_rest]
     desc = (f"synthetic model written by strata tools/mkmodel.py v{GENERATOR_VERSION}: "
@@ -921,6 +947,59 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
     ]
     blobs = head + [pack_kv(k, t, v) for k, t, v in m.kv] + list(tok_kv.values())
     return m, blobs, hp
+
+
+LORA_TARGETS = "attn_q,attn_v,ffn_up,ffn_down"
+
+
+def lora_pairs(m: Model, rank: int, alpha: float, targets: list[str], qtype: int,
+               gain: float) -> list[TensorSpec]:
+    """lora_a / lora_b for every 2-D blk.N.<target>.weight of the base model m."""
+    out = []
+    found = set()
+    for t in m.tensors:
+        parts = t.name.split(".")
+        if (len(parts) != 4 or parts[0] != "blk" or parts[2] not in targets or parts[3] != "weight"
+                or len(t.ne) != 2 or t.role != "matrix"):
+            continue
+        found.add(parts[2])
+        n_in, n_out = t.ne
+        # (alpha/rank) * B A has entry std (alpha/rank) * sqrt(rank) * std_a * std_b = gain * t.std
+        std_a = 1.0 / math.sqrt(n_in)
+        std_b = gain * t.std * math.sqrt(n_in / rank) * rank / alpha
+        out.append(TensorSpec(t.name + ".lora_a", (n_in, rank), "matrix", std=std_a,
+                              zero_col0=t.zero_col0, qtype=qtype))
+        out.append(TensorSpec(t.name + ".lora_b", (rank, n_out), "matrix", std=std_b,
+                              zero_row0=t.zero_row0, qtype=qtype))
+    missing = [x for x in targets if x not in found]
+    if missing:
+        raise SystemExit(f"{m.arch}: no 2-D blk.N.<target>.weight matrices for LoRA target(s) {', '.join(missing)}")
+    return out
+
+
+def plan_lora(m: Model, args: argparse.Namespace, hp: dict) -> tuple[Model, list[bytes], dict]:
+    """Turn the planned base model m into the plan of a LoRA adapter for it."""
+    rank = args.lora_rank
+    alpha = float(args.lora_alpha if args.lora_alpha is not None else rank)
+    if rank < 1 or alpha <= 0:
+        raise SystemExit("need --lora-rank >= 1 and --lora-alpha > 0")
+    targets = [x for x in args.lora_targets.split(",") if x]
+    qtype = QUANT_NAMES[args.lora_type]
+    lora = Model(arch=m.arch, n_layer=m.n_layer, bias_channel=m.bias_channel)
+    lora.tensors = lora_pairs(m, rank, alpha, targets, qtype, args.lora_gain)
+    desc = (f"synthetic LoRA adapter written by strata tools/mkmodel.py v{GENERATOR_VERSION}: "
+            f"base preset={args.arch} shape={args.shape or '-'} seed={args.seed} vocab={hp['vocab']} "
+            f"rank={rank} alpha={alpha:g} targets={','.join(targets)} type={args.lora_type} gain={args.lora_gain:g}")
+    blobs = [
+        pack_kv("general.architecture", VT.STRING, hp["arch"]),
+        pack_kv("general.type", VT.STRING, gguf.GGUFType.ADAPTER),
+        pack_kv("general.name", VT.STRING, f"strata-synthetic-{args.arch}-lora"),
+        pack_kv("general.description", VT.STRING, desc),
+        pack_kv("general.file_type", VT.UINT32, int(FILE_TYPES[qtype])),
+        pack_kv(gguf.Keys.Adapter.TYPE, VT.STRING, "lora"),
+        pack_kv(gguf.Keys.Adapter.LORA_ALPHA, VT.FLOAT32, alpha),
+    ]
+    return lora, blobs, hp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -941,6 +1020,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="type of other matrices (default: the preset's, else q8_0)")
     ap.add_argument("--vocab", help="vocabulary name: models/ggml-vocab-<name>.gguf")
     ap.add_argument("--dry-run", action="store_true", help="print the tensor plan and size, write nothing")
+    ap.add_argument("--lora-rank", type=int,
+                    help="write a LoRA adapter of this rank for the model these arguments describe, not the model")
+    ap.add_argument("--lora-alpha", type=float, help="adapter.lora.alpha (default: the rank)")
+    ap.add_argument("--lora-targets", default=LORA_TARGETS,
+                    help=f"comma-separated blk.N.<target>.weight names to adapt (default {LORA_TARGETS})")
+    ap.add_argument("--lora-type", choices=["f32", "f16"], default="f32", help="type of lora_a / lora_b")
+    ap.add_argument("--lora-gain", type=float, default=1.0,
+                    help="std of the scale-1 weight delta relative to the base matrix's (default 1)")
     ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))
     args = ap.parse_args(argv)
     if args.out is None and not args.dry_run:

@@ -237,6 +237,13 @@ char * strata_params_json(const strata_params * p) {
         {"endpoint_metrics", c.endpoint_metrics},
         {"embedding", c.embedding},
         {"pooling_type", (int) c.pooling_type},
+        {"lora_adapters", [&] {
+            json a = json::array();
+            for (const auto & la : c.lora_adapters) {
+                a.push_back({{"path", la.path}, {"scale", la.scale}});
+            }
+            return a;
+        }()},
         {"embd_normalize", c.embd_normalize},
         {"verbosity", c.verbosity},
         {"sampling", sampling_json(c.sampling)},

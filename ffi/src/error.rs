@@ -6,6 +6,8 @@ pub type Result<T, E = FfiError> = std::result::Result<T, E>;
 pub enum FfiError {
     #[error("failed to load model from '{0}'")]
     ModelLoad(String),
+    #[error("failed to load lora adapter '{0}'")]
+    Load(String),
     #[error("failed to create the llama context")]
     ContextInit,
     #[error("{0}")]

@@ -12,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use strata_ffi::{Batch, Context, DecodeError, Model, Sampler, ServerParams, Speculative, Token, Verbosity};
+use strata_ffi::{Batch, Context, DecodeError, LoraAdapter, Model, Sampler, ServerParams, Speculative, Token, Verbosity};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::error::{ApiError, ErrorType};
@@ -41,9 +41,22 @@ pub enum TaskKind {
     Rerank,
 }
 
+/// A LoRA adapter given with --lora / --lora-scaled, as /lora-adapters lists it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraInfo {
+    pub path: String,
+    /// The scale tasks without a `lora` field use (POST /lora-adapters sets it).
+    pub scale: f32,
+    pub task_name: String,
+    pub prompt_prefix: String,
+}
+
 #[derive(Debug, Clone)]
 pub struct TaskParams {
     pub kind: TaskKind,
+    /// Per-request adapter scales by adapter id; adapters not listed get 0. None: the global
+    /// scales.
+    pub lora: Option<Vec<(i64, f32)>>,
     /// -1: the server's --n-predict.
     pub n_predict: i32,
     pub stop: Vec<String>,
@@ -214,6 +227,8 @@ pub struct EngineHandle {
     sleeping: Arc<std::sync::atomic::AtomicBool>,
     /// Whether each slot is processing a task, as of the engine's last step.
     busy: watch::Receiver<Vec<bool>>,
+    /// The LoRA adapters and their global scales.
+    lora: Arc<std::sync::Mutex<Vec<LoraInfo>>>,
 }
 
 impl EngineHandle {
@@ -284,11 +299,35 @@ impl EngineHandle {
         rx.await.map_err(|_| ApiError::server("engine dropped the request"))?
     }
 
+    pub fn lora_adapters(&self) -> Vec<LoraInfo> {
+        self.lora.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// POST /lora-adapters: every adapter gets the scale given for its id, or 0.
+    pub fn set_lora_scales(&self, scales: &[(i64, f32)]) {
+        if let Ok(mut l) = self.lora.lock() {
+            for (i, a) in l.iter_mut().enumerate() {
+                a.scale = scales.iter().rev().find(|(id, _)| *id == i as i64).map_or(0.0, |&(_, s)| s);
+            }
+        }
+    }
+
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
         let (_, busy) = watch::channel(Vec::new());
-        Self { tx, state, model: Arc::default(), model_alias: "m".into(), n_ctx_slot: Arc::default(), next_task_id: Arc::default(), metrics: Arc::default(), busy, sleeping: Arc::default() }
+        Self {
+            tx,
+            state,
+            model: Arc::default(),
+            model_alias: "m".into(),
+            n_ctx_slot: Arc::default(),
+            next_task_id: Arc::default(),
+            metrics: Arc::default(),
+            busy,
+            sleeping: Arc::default(),
+            lora: Arc::default(),
+        }
     }
 }
 
@@ -314,6 +353,8 @@ pub struct EngineConfig {
     pub speculative: bool,
     /// --cache-reuse: default smallest chunk reused by KV shifting (0 = off).
     pub n_cache_reuse: i32,
+    /// --lora / --lora-scaled: adapter files and their initial scales.
+    pub lora: Vec<(PathBuf, f32)>,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -325,17 +366,26 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let (busy_tx, busy) = watch::channel(vec![false; cfg.n_parallel.max(1)]);
     let metrics: Arc<std::sync::Mutex<Metrics>> = Arc::default();
     let sleeping: Arc<std::sync::atomic::AtomicBool> = Arc::default();
-    let shared = Shared { sleeping: sleeping.clone(), model: model.clone(), n_ctx_slot: n_ctx_slot.clone(), busy: busy_tx, metrics: metrics.clone() };
+    let lora: Arc<std::sync::Mutex<Vec<LoraInfo>>> = Arc::default();
+    let shared = Shared {
+        sleeping: sleeping.clone(),
+        model: model.clone(),
+        n_ctx_slot: n_ctx_slot.clone(),
+        busy: busy_tx,
+        metrics: metrics.clone(),
+        lora: lora.clone(),
+    };
     let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new()
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy, sleeping }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy, sleeping, lora }
 }
 
 /// What the engine publishes for handlers.
 struct Shared {
+    lora: Arc<std::sync::Mutex<Vec<LoraInfo>>>,
     sleeping: Arc<std::sync::atomic::AtomicBool>,
     model: Arc<OnceLock<Arc<Model>>>,
     n_ctx_slot: Arc<OnceLock<usize>>,
@@ -354,6 +404,28 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
         }
     };
     let _ = shared.model.set(model.clone());
+    let mut adapters = Vec::new();
+    let mut infos = Vec::new();
+    for (path, scale) in &cfg.lora {
+        match LoraAdapter::load(&model, path) {
+            Ok(a) => {
+                infos.push(LoraInfo {
+                    path: path.to_string_lossy().into_owned(),
+                    scale: *scale,
+                    task_name: a.meta("adapter.lora.task_name"),
+                    prompt_prefix: a.meta("adapter.lora.prompt_prefix"),
+                });
+                adapters.push(a);
+            }
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        }
+    }
+    if let Ok(mut l) = shared.lora.lock() {
+        *l = infos;
+    }
     let mut woken_by: Option<Job> = None;
     loop {
         let ctx = match Context::new(&model, cfg.params.context_params()) {
@@ -371,7 +443,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
                 return;
             }
         };
-        let mut engine = Engine::new(ctx, spec, &cfg, shared);
+        let mut engine = Engine::new(ctx, spec, &cfg, shared, &adapters);
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);
@@ -540,6 +612,8 @@ struct Active {
     t_gen: Option<Instant>,
     /// Prompt tokens went into the current batch.
     prompt_in_batch: bool,
+    /// The adapter scales this task decodes with.
+    lora: Vec<f32>,
     /// Draft tokens in the current batch, after the sampled token, and the batch indices of
     /// the sampled token and each draft token.
     draft: Vec<Token>,
@@ -595,6 +669,8 @@ struct Slot {
     cache: Vec<Token>,
     /// The draft model's context no longer holds `cache` (the slot was restored from a file).
     draft_stale: bool,
+    /// Adapter scales `cache` was computed with.
+    lora: Vec<f32>,
     last_used: Instant,
     active: Option<Active>,
 }
@@ -618,6 +694,9 @@ struct Engine<'m> {
     kv_unified: bool,
     slot_prompt_similarity: f32,
     n_cache_reuse: i32,
+    adapters: &'m [LoraAdapter<'m>],
+    /// The adapter scales the context decodes with now.
+    applied_lora: Vec<f32>,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -657,7 +736,7 @@ pub(crate) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl<'m> Engine<'m> {
-    fn new(ctx: Context<'m>, spec: Option<Speculative>, cfg: &'m EngineConfig, shared: &'m Shared) -> Self {
+    fn new(ctx: Context<'m>, spec: Option<Speculative>, cfg: &'m EngineConfig, shared: &'m Shared, adapters: &'m [LoraAdapter<'m>]) -> Self {
         let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
@@ -668,7 +747,7 @@ impl<'m> Engine<'m> {
             strata_ffi::log_info("srv  load_model: ctx_shift is not supported by this context, it will be disabled\n");
         }
         let now = Instant::now();
-        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), draft_stale: false, last_used: now, active: None }).collect();
+        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None }).collect();
         let draft_ctx = spec.as_ref().is_some_and(Speculative::has_context);
         let prompt_cache = match cfg.cache_ram_mib {
             // The draft model's context keeps its own copy of each sequence, which the cache
@@ -722,6 +801,8 @@ impl<'m> Engine<'m> {
             kv_unified: cfg.kv_unified,
             slot_prompt_similarity: cfg.slot_prompt_similarity,
             n_cache_reuse,
+            adapters,
+            applied_lora: Vec::new(),
         }
     }
 
@@ -910,7 +991,19 @@ impl<'m> Engine<'m> {
                 return;
             }
         };
+        let lora = self.lora_scales(&task.params.lora);
         let slot = &mut self.slots[id];
+        if slot.lora != lora {
+            // the cached KV was computed with other adapter scales
+            if !slot.cache.is_empty() {
+                self.ctx.seq_rm(id as i32, -1, -1);
+                if let Some(spec) = self.spec.as_mut() {
+                    spec.seq_rm(id as i32, -1, -1);
+                }
+                slot.cache.clear();
+            }
+            slot.lora = lora.clone();
+        }
         // A sliding-window KV cache cannot be cut back safely without llama-server's context
         // checkpoints, which are not implemented yet: such models reprocess the whole prompt.
         let reusable = task.params.cache_prompt && model.n_swa() == 0 && !slot.draft_stale;
@@ -960,6 +1053,7 @@ impl<'m> Engine<'m> {
             prompt_ms: 0.0,
             t_gen: None,
             prompt_in_batch: false,
+            lora,
             draft: Vec::new(),
             draft_i_batch: Vec::new(),
             n_draft_total: 0,
@@ -969,6 +1063,16 @@ impl<'m> Engine<'m> {
         let a = slot.active.as_ref().expect("just started");
         if !a.send_progress(id, keep) {
             self.release(id);
+        }
+    }
+
+    /// The adapter scales for a task: its own (unlisted adapters at 0), else the global ones.
+    fn lora_scales(&self, asked: &Option<Vec<(i64, f32)>>) -> Vec<f32> {
+        match asked {
+            Some(list) => (0..self.adapters.len())
+                .map(|i| list.iter().rev().find(|(id, _)| *id == i as i64).map_or(0.0, |&(_, s)| s))
+                .collect(),
+            None => self.shared.lora.lock().map(|l| l.iter().map(|a| a.scale).collect()).unwrap_or_default(),
         }
     }
 
@@ -997,8 +1101,10 @@ impl<'m> Engine<'m> {
             }
         };
         self.ctx.seq_rm(id as i32, -1, -1);
+        let lora = self.lora_scales(&task.params.lora);
         let slot = &mut self.slots[id];
         slot.cache.clear();
+        slot.lora = lora.clone();
         slot.active = Some(Active {
             gen: Generation::new(Vec::new()),
             task,
@@ -1015,6 +1121,7 @@ impl<'m> Engine<'m> {
             prompt_ms: 0.0,
             t_gen: None,
             prompt_in_batch: false,
+            lora,
             draft: Vec::new(),
             draft_i_batch: Vec::new(),
             n_draft_total: 0,
@@ -1177,6 +1284,8 @@ impl<'m> Engine<'m> {
         }
         self.batch.clear();
         let capacity = self.ctx.n_batch() as usize;
+        // One batch decodes with one set of adapter scales; slots asking for others wait.
+        let mut batch_lora: Option<Vec<f32>> = None;
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             a.i_batch = None;
@@ -1184,7 +1293,11 @@ impl<'m> Engine<'m> {
             if self.batch.len() >= capacity {
                 continue;
             }
+            if a.sampled.is_some() && batch_lora.as_ref().is_some_and(|l| *l != a.lora) {
+                continue;
+            }
             if let Some(t) = a.sampled.take() {
+                batch_lora.get_or_insert_with(|| a.lora.clone());
                 let room = capacity - self.batch.len() - 1;
                 let draft = match self.spec.as_mut() {
                     Some(spec) => {
@@ -1212,10 +1325,12 @@ impl<'m> Engine<'m> {
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             let n_prompt = a.task.prompt.len();
+            let lora_ok = batch_lora.as_ref().is_none_or(|l| *l == a.lora);
             if a.task.params.kind != TaskKind::Completion {
                 // the whole prompt in this batch, or wait for one with room
-                a.prompt_in_batch = slot.cache.is_empty() && self.batch.len() + n_prompt <= capacity;
+                a.prompt_in_batch = lora_ok && slot.cache.is_empty() && self.batch.len() + n_prompt <= capacity;
                 if a.prompt_in_batch {
+                    batch_lora.get_or_insert_with(|| a.lora.clone());
                     a.i_batch = Some(self.batch.len() as i32);
                     for (pos, &t) in a.task.prompt.iter().enumerate() {
                         self.batch.add(t, pos as i32, &[slot.id as i32], true).expect("batch has room");
@@ -1224,8 +1339,11 @@ impl<'m> Engine<'m> {
                 }
                 continue;
             }
-            a.prompt_in_batch = a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
-            while a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity {
+            a.prompt_in_batch = lora_ok && a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
+            if a.prompt_in_batch {
+                batch_lora.get_or_insert_with(|| a.lora.clone());
+            }
+            while a.prompt_in_batch && slot.cache.len() < n_prompt && self.batch.len() < capacity {
                 let pos = slot.cache.len();
                 let t = a.task.prompt[pos];
                 let last = pos + 1 == n_prompt;
@@ -1238,6 +1356,10 @@ impl<'m> Engine<'m> {
         }
         if self.batch.is_empty() {
             return false;
+        }
+        if let Some(lora) = batch_lora.filter(|l| !self.adapters.is_empty() && *l != self.applied_lora) {
+            self.ctx.set_lora(self.adapters, &lora);
+            self.applied_lora = lora;
         }
         if let Err(e) = self.ctx.decode(&self.batch) {
             let msg = match e {

@@ -74,6 +74,7 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
         .route("/v1/models", get(models))
         .route("/props", get(props).post(post_props))
         .route("/slots", get(slots))
+        .route("/lora-adapters", get(lora_adapters).post(set_lora_adapters))
         .route("/slots/{id_slot}", post(slot_action))
         .route("/metrics", get(metrics))
         .route("/completion", post(completion))
@@ -212,6 +213,32 @@ pub async fn server_header(mut res: Response) -> Response {
     res
 }
 
+async fn lora_adapters(AxState(app): AxState<App>) -> Json<Value> {
+    let list = app.engine.lora_adapters();
+    Json(Value::Array(
+        list.iter()
+            .enumerate()
+            .map(|(id, a)| {
+                json!({"id": id, "path": a.path, "scale": a.scale, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix})
+            })
+            .collect(),
+    ))
+}
+
+/// Sets the scales tasks without their own `lora` field use; unlisted adapters get 0.
+async fn set_lora_adapters(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let Value::Array(entries) = body else {
+        return Err(ApiError::invalid("Request body must be an array"));
+    };
+    let scales: Vec<(i64, f32)> = entries
+        .iter()
+        .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
+        .collect();
+    app.engine.set_lora_scales(&scales);
+    Ok(Json(json!({"success": true})))
+}
+
 pub async fn not_found() -> ApiError {
     ApiError::new(ErrorType::NotFound, "File Not Found")
 }
@@ -277,6 +304,18 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
     }
     Ok(TaskParams {
         kind: crate::engine::TaskKind::Completion,
+        lora: match body.get("lora") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(entries)) => Some(
+                entries
+                    .iter()
+                    .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
+                    .collect(),
+            ),
+            Some(_) => {
+                return Err(ApiError::invalid("Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"))
+            }
+        },
         n_predict: n_predict.clamp(-1, i32::MAX as i64) as i32,
         stop: stop_strings(body)?,
         stream: flag(body, "stream", false),

@@ -122,6 +122,12 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
             slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
             speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
             n_cache_reuse: cfg["n_cache_reuse"].as_i64().unwrap_or(0) as i32,
+            lora: cfg["lora_adapters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|a| (PathBuf::from(a["path"].as_str().unwrap_or_default()), a["scale"].as_f64().unwrap_or(1.0) as f32))
+                .collect(),
         });
         for l in &listeners {
             eprintln!("main: server is listening on {}", l.describe()?);

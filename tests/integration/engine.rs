@@ -155,6 +155,49 @@ fn cache_reuse_shifts_a_shared_tail_into_place() {
     assert_eq!(status, 400, "{err}");
 }
 
+/// LoRA adapters: the global scale (/lora-adapters) and per-request scales give the same tokens
+/// for the same scales, scale 0 is the base model, and requests with different scales running
+/// at once each get their own (they never share a batch).
+#[test]
+fn lora_scales_global_and_per_request() {
+    let m = model("tiny-llama.gguf");
+    let lora = model("tiny-llama-lora.gguf");
+    let req = json!({"prompt": "Once upon a time", "n_predict": 8, "temperature": 0, "return_tokens": true});
+    let base = Server::start(&["-m", m.to_str().unwrap(), "-np", "1"], &[]);
+    let (_, plain) = base.post("/completion", &req);
+    drop(base);
+
+    let server = Server::start(&["-m", m.to_str().unwrap(), "-np", "2", "--lora", lora.to_str().unwrap()], &[]);
+    let (_, list) = server.get("/lora-adapters");
+    assert_eq!(list[0]["id"], 0);
+    assert_eq!(list[0]["scale"], 1.0);
+    assert!(list[0]["path"].as_str().unwrap().ends_with("tiny-llama-lora.gguf"), "{list}");
+    let (_, on) = server.post("/completion", &req);
+    assert_ne!(on["tokens"], plain["tokens"], "the adapter changes greedy output");
+    let (status, ok) = server.post("/lora-adapters", &json!([{"id": 0, "scale": 0.0}]));
+    assert_eq!((status, ok), (200, json!({"success": true})));
+    let (_, off) = server.post("/completion", &req);
+    assert_eq!(off["tokens"], plain["tokens"], "scale 0 is the base model");
+
+    let with = |scale: f64| {
+        let mut r = req.clone();
+        r["lora"] = json!([{"id": 0, "scale": scale}]);
+        r
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| server.post("/completion", &with(1.0)).1);
+        let b = s.spawn(|| server.post("/completion", &with(0.0)).1);
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(a["tokens"], on["tokens"]);
+    assert_eq!(b["tokens"], plain["tokens"]);
+
+    let mut bad = req.clone();
+    bad["lora"] = json!({"id": 0});
+    assert_eq!(server.post("/completion", &bad).0, 400);
+    assert_eq!(server.post("/lora-adapters", &json!({"id": 0})).0, 400);
+}
+
 /// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
 /// reprocessed, and a repeated request gives the same tokens.
 #[test]

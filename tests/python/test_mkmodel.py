@@ -9,6 +9,8 @@ KV scanner.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -300,3 +302,96 @@ def test_bert_real_vocab(tmp_path):
     ts = tensors(gguf.GGUFReader(tmp_path / "q.gguf"))
     assert ts["blk.0.attn_q.weight"].tensor_type == GT.Q8_0
     assert ts["position_embd.weight"].tensor_type == GT.F32
+
+
+LORA_TARGETS = ("attn_q", "attn_v", "ffn_up", "ffn_down")
+
+
+def check_lora_against_base(adapter, base, rank: int, alpha: float, targets=LORA_TARGETS) -> None:
+    """the adapter is what llama.cpp's llama_adapter_lora_init_impl accepts for this base model."""
+    assert kv(adapter, "general.type") == "adapter"
+    assert kv(adapter, "adapter.type") == "lora"
+    assert kv(adapter, "adapter.lora.alpha") == pytest.approx(alpha)
+    assert kv(adapter, "general.architecture") == kv(base, "general.architecture")
+    assert not any(k.startswith("tokenizer.") for k in adapter.fields)
+    arch = kv(base, "general.architecture")
+    n_layer = kv(base, f"{arch}.block_count")
+    bts = tensors(base)
+    ats = tensors(adapter)
+    want = {f"blk.{il}.{t}.weight.lora_{ab}" for il in range(n_layer) for t in targets for ab in "ab"}
+    assert set(ats) == want
+    for il in range(n_layer):
+        for t in targets:
+            name = f"blk.{il}.{t}.weight"
+            w, a, b = bts[name], ats[name + ".lora_a"], ats[name + ".lora_b"]
+            w_ne, a_ne, b_ne = (tuple(int(n) for n in x.shape) for x in (w, a, b))
+            # llama-adapter.cpp: w.ne[0] == a.ne[0], w.ne[1] == b.ne[1], a.ne[1] == b.ne[0]
+            assert len(w_ne) == 2 and a_ne == (w_ne[0], rank) and b_ne == (rank, w_ne[1]), name
+            assert a.tensor_type == b.tensor_type and a.tensor_type in (GT.F32, GT.F16), name
+            # the scale-1 delta (alpha/rank) * B A is about as strong as the base matrix
+            delta = (alpha / rank) * dequant(b) @ dequant(a)          # (n_out, n_in), like dequant(w)
+            x = dequant(w)
+            assert delta.shape == x.shape, name
+            assert 0.6 < delta[delta != 0].std() / x[x != 0].std() < 1.6, name
+
+
+@pytest.fixture(scope="module")
+def llama_lora(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    base = generate(d / "base.gguf", "llama", "--vocab", SMALL_VOCAB, "--seed", "2")
+    lora = generate(d / "lora.gguf", "llama", "--vocab", SMALL_VOCAB, "--seed", "2",
+                    "--lora-rank", "8", "--lora-alpha", "16")
+    return gguf.GGUFReader(base), gguf.GGUFReader(lora), lora
+
+
+def test_lora_adapter_structure(llama_lora):
+    base, adapter, path = llama_lora
+    check_lora_against_base(adapter, base, rank=8, alpha=16.0)
+    assert all(t.tensor_type == GT.F32 for t in adapter.tensors)
+    assert kv(adapter, "general.file_type") == int(gguf.LlamaFileType.ALL_F32)
+    assert path.stat().st_size < 200_000
+    for t in adapter.tensors:
+        assert t.data_offset % 32 == 0
+        assert np.isfinite(dequant(t)).all() and dequant(t).std() > 0, t.name
+
+
+def test_lora_adapter_options(tmp_path):
+    base = gguf.GGUFReader(generate(tmp_path / "b.gguf", "llama", "--vocab", SMALL_VOCAB, "--layers", "2"))
+    args = ["llama", "--vocab", SMALL_VOCAB, "--layers", "2", "--lora-rank", "4", "--lora-type", "f16",
+            "--lora-targets", "attn_q,attn_k,attn_output,ffn_gate"]
+    a = generate(tmp_path / "a.gguf", *args)
+    adapter = gguf.GGUFReader(a)
+    check_lora_against_base(adapter, base, rank=4, alpha=4.0,
+                            targets=("attn_q", "attn_k", "attn_output", "ffn_gate"))
+    assert all(t.tensor_type == GT.F16 for t in adapter.tensors)
+    assert generate(tmp_path / "a2.gguf", *args).read_bytes() == a.read_bytes()
+    with pytest.raises(SystemExit):
+        generate(tmp_path / "bad.gguf", "llama", "--vocab", SMALL_VOCAB, "--lora-rank", "4", "--lora-targets", "nope")
+
+
+def test_lora_adapter_bias_channel(tmp_path):
+    """on a bias-channel preset the adapter neither reads nor writes residual channel 0."""
+    base = gguf.GGUFReader(generate(tmp_path / "b.gguf", "qwen3moe", "--vocab", SMALL_VOCAB))
+    adapter = gguf.GGUFReader(generate(tmp_path / "a.gguf", "qwen3moe", "--vocab", SMALL_VOCAB, "--lora-rank", "4",
+                                       "--lora-targets", "attn_q,attn_v,attn_output"))
+    check_lora_against_base(adapter, base, rank=4, alpha=4.0, targets=("attn_q", "attn_v", "attn_output"))
+    ts = tensors(adapter)
+    for il in range(4):
+        for t in ("attn_q", "attn_v"):
+            assert np.all(dequant(ts[f"blk.{il}.{t}.weight.lora_a"])[:, 0] == 0)
+        assert np.all(dequant(ts[f"blk.{il}.attn_output.weight.lora_b"])[0, :] == 0)
+
+
+def test_mkmodels_lora_entry(tmp_path):
+    """tools/mkmodels writes tiny-llama-lora from tiny-llama's arguments and stamps it with them."""
+    env = dict(os.environ, STRATA_MODELS=str(tmp_path), STRATA_PYTHON=sys.executable)
+    run = lambda: subprocess.run([str(REPO / "tools" / "mkmodels"), "tiny-llama", "tiny-llama-lora"], env=env,
+                                 check=True, capture_output=True, text=True).stdout
+    run()
+    base_stamp = (tmp_path / "tiny-llama.gguf.stamp").read_text().strip()
+    lora_stamp = (tmp_path / "tiny-llama-lora.gguf.stamp").read_text().strip()
+    assert lora_stamp.startswith(base_stamp + " ") and "--lora-rank" in lora_stamp
+    base = gguf.GGUFReader(tmp_path / "tiny-llama.gguf")
+    adapter = gguf.GGUFReader(tmp_path / "tiny-llama-lora.gguf")
+    check_lora_against_base(adapter, base, rank=8, alpha=16.0)
+    assert run().count("up to date") == 2
