@@ -77,6 +77,8 @@ fn build_llama(src: &Path) -> PathBuf {
         .define("GGML_BACKEND_DIR", &bin)
         .define("GGML_NATIVE", "OFF")
         .define("GGML_CPU", "ON")
+        // the RPC backend module, for --rpc (llama-server's distributed inference)
+        .define("GGML_RPC", "ON")
         .define("LLAMA_BUILD_COMMON", "ON")
         .define("LLAMA_BUILD_TESTS", "OFF")
         .define("LLAMA_BUILD_EXAMPLES", "OFF")

@@ -10,6 +10,7 @@ mod hooks;
 mod http;
 mod responses;
 mod router;
+mod rpc;
 mod stress;
 mod support;
 mod tokenizer;
