@@ -95,6 +95,13 @@ impl<'m> Context<'m> {
         (!p.is_null()).then(|| unsafe { std::slice::from_raw_parts(p, n_vocab) })
     }
 
+    /// The smallest position the memory still holds for `seq` (-1 when empty); a sliding-window
+    /// cache drops positions that fell out of its window.
+    pub fn seq_pos_min(&self, seq: i32) -> i32 {
+        // SAFETY: valid context; its memory lives as long as the context.
+        unsafe { sys::llama_memory_seq_pos_min(sys::llama_get_memory(self.ptr.as_ptr()), seq) }
+    }
+
     /// llama_pooling_type of this context (0 = none: one embedding per token).
     pub fn pooling_type(&self) -> i32 {
         // SAFETY: valid context.

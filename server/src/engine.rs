@@ -1004,9 +1004,8 @@ impl<'m> Engine<'m> {
             }
             slot.lora = lora.clone();
         }
-        // A sliding-window KV cache cannot be cut back safely without llama-server's context
-        // checkpoints, which are not implemented yet: such models reprocess the whole prompt.
-        let reusable = task.params.cache_prompt && model.n_swa() == 0 && !slot.draft_stale;
+        let n_swa = model.n_swa().max(0) as usize;
+        let reusable = task.params.cache_prompt && !slot.draft_stale;
         slot.draft_stale = false;
         let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
         let n_cache_reuse = if task.params.n_cache_reuse < 0 { self.n_cache_reuse } else { task.params.n_cache_reuse };
@@ -1020,6 +1019,14 @@ impl<'m> Engine<'m> {
         }
         // At least one prompt token must be decoded to get logits for the first sample.
         keep = keep.min(n_prompt - 1);
+        // A sliding-window cache keeps only the last positions: the kept prefix is usable only
+        // if the window before its end is still there (llama-server restores a context
+        // checkpoint otherwise; without one the prompt is processed again).
+        if n_swa > 0 && keep > 0 && self.ctx.seq_pos_min(id as i32) > keep.saturating_sub(n_swa) as i32 {
+            let msg = "forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)";
+            slot_log_at(Verbosity::Trace, "update_slots", id, task.id as i64, msg);
+            keep = 0;
+        }
         if !self.ctx.seq_rm(id as i32, keep as i32, -1) {
             self.ctx.seq_rm(id as i32, 0, -1);
             keep = 0;

@@ -201,13 +201,33 @@ fn lora_scales_global_and_per_request() {
 /// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
 /// reprocessed, and a repeated request gives the same tokens.
 #[test]
-fn a_sliding_window_model_reprocesses_and_stays_consistent() {
-    let server = gemma(&["-np", "1"]);
+fn a_sliding_window_model_reuses_only_what_its_window_still_holds() {
+    let server = gemma(&["-np", "1", "-c", "4096", "--cache-ram", "0"]);
     let req = greedy("Once upon a time, in a quiet village by the sea, there lived", 8);
     let (_, first) = server.post("/completion", &req);
     let (_, second) = server.post("/completion", &req);
-    assert_eq!(second["timings"]["cache_n"], 0);
+    let n_prompt = first["tokens_evaluated"].as_u64().unwrap();
+    assert_eq!(second["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "a short prompt is inside the window");
     assert_eq!(first["tokens"], second["tokens"]);
+
+    // far past Gemma 3's 512-token window: a prefix that ends long before the cache does has
+    // lost its window, one that continues the cache has not
+    let long: String = (0..160).map(|i| format!("Line {i} of the ledger lists a barrel of apples. ")).collect();
+    let (_, base) = server.post("/completion", &greedy(&long, 4));
+    let n_long = base["tokens_evaluated"].as_u64().unwrap();
+    assert!(n_long > 1500, "{n_long}");
+    let continued = format!("{long}{}", base["content"].as_str().unwrap());
+    let (_, cont) = server.post("/completion", &greedy(&format!("{continued} And then"), 4));
+    assert!(cont["timings"]["cache_n"].as_u64().unwrap() >= n_long, "{}", cont["timings"]);
+    let head: String = long[..long.len() / 2].to_string();
+    let (_, cut) = server.post("/completion", &greedy(&format!("{head} Something else."), 4));
+    assert_eq!(cut["timings"]["cache_n"], 0, "the window for a prefix that short is gone");
+
+    let fresh = gemma(&["-np", "1", "-c", "4096", "--cache-ram", "0"]);
+    for (prompt, got) in [(format!("{continued} And then"), &cont), (format!("{head} Something else."), &cut)] {
+        let (_, want) = fresh.post("/completion", &greedy(&prompt, 4));
+        assert_eq!(got["tokens"], want["tokens"], "reused cache gives the tokens of a fresh run");
+    }
 }
 
 #[test]
