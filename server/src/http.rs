@@ -12,7 +12,6 @@ use std::sync::{Arc, OnceLock};
 
 use strata_ffi::{ChatTemplates, Model, Token, Vocab};
 
-use axum::body::Body;
 use axum::extract::Request;
 use axum::http::header::{HeaderName, CONTENT_TYPE};
 use axum::http::Method;
@@ -102,6 +101,7 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
         .route("/v1/reranking", post(crate::embeddings::rerank))
         .route("/detokenize", post(detokenize))
         .with_state(app.clone())
+        .merge(crate::streams::routes())
         .merge(extra);
     // --api-prefix puts every route under one path, as llama-server does.
     let prefix = app.info.api_prefix.clone();
@@ -170,7 +170,8 @@ pub async fn gate(AxState(g): AxState<Gate>, req: Request, next: Next) -> Respon
     } else if !info.api_keys.is_empty() && !is_public(req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
         middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")
     } else {
-        next.run(req).await
+        let conv = crate::streams::conv_id(req.headers());
+        crate::streams::CONV_ID.scope(Some(conv), next.run(req)).await
     };
     if let Some(o) = allow_origin.and_then(|o| HeaderValue::from_str(&o).ok()) {
         res.headers_mut().insert("access-control-allow-origin", o);
@@ -660,7 +661,7 @@ pub async fn stream_response(
     Ok(Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "text/event-stream")
-        .body(Body::from_stream(body))
+        .body(crate::streams::wrap_body(body))
         .unwrap())
 }
 
@@ -928,6 +929,7 @@ mod tests {
     use crate::engine::Job;
     use crate::generation::StopType;
     use axum::http::Request;
+    use axum::body::Body;
     use http_body_util::BodyExt;
     use tokio::sync::watch;
     use tower::ServiceExt;

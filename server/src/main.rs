@@ -18,6 +18,7 @@ mod oai;
 mod prompt_cache;
 mod responses;
 mod router;
+mod streams;
 mod tools;
 mod tools_http;
 

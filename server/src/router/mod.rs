@@ -86,6 +86,7 @@ pub fn is_router(cfg: &Value) -> bool {
 struct RouterApp {
     models: Arc<Models>,
     props: Arc<Value>,
+    convs: Arc<crate::streams::ConvModels>,
 }
 
 pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts: Vec<String>, port: i64) -> Result<()> {
@@ -132,7 +133,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         for host in &hosts {
             listeners.push(crate::Listener::bind(host, port as u16).await?);
         }
-        let app = routes(RouterApp { models: models.clone(), props: Arc::new(props) }, info, agent.routes);
+        let app = routes(RouterApp { models: models.clone(), props: Arc::new(props), convs: Arc::default() }, info, agent.routes);
         eprintln!("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
             eprintln!("main: server is listening on {}", l.describe()?);
@@ -164,7 +165,9 @@ fn routes(app: RouterApp, info: ServerInfo, extra: Router) -> Router {
         .route("/v1/models", get(list_models))
         .route("/models/load", post(load_model))
         .route("/models/unload", post(unload_model))
-        .route("/models/sse", get(models_sse));
+        .route("/models/sse", get(models_sse))
+        .route("/v1/stream", get(stream_get).delete(stream_delete))
+        .route("/v1/streams/lookup", post(streams_lookup));
     for path in PROXY_POST {
         r = r.route(path, post(proxy_post));
     }
@@ -228,8 +231,102 @@ async fn proxy_get(State(app): State<RouterApp>, Query(q): Params, OriginalUri(u
 async fn proxy_post(State(app): State<RouterApp>, Query(q): Params, OriginalUri(uri): OriginalUri, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
     let parsed = http::parse_body(&body)?;
     let name = parsed.get("model").and_then(Value::as_str).unwrap_or_default().to_string();
+    let conv = crate::streams::conv_id(&headers);
+    let autoload = autoload(&app, &q);
     let fwd = Forward { method: Method::POST, uri, headers, body };
-    route_to(&app, &name, autoload(&app, &q), true, fwd).await
+    if conv.is_empty() {
+        return route_to(&app, &name, autoload, true, fwd).await;
+    }
+    // a session request runs in a task of its own: a client dropping during a model load must
+    // not cancel it, only a stop does (the session then receives the whole generation)
+    tokio::spawn(async move { route_session(&app, &name, &conv, autoload, fwd).await }).await.map_err(|e| ApiError::server(e.to_string()))?
+}
+
+async fn route_session(app: &RouterApp, name: &str, conv: &str, autoload: bool, fwd: Forward) -> Result<Response, ApiError> {
+    let name = validate(app, name, autoload).await?;
+    let ticket = app.convs.remember(conv, &name);
+    let ready = if autoload { Some(app.models.ensure_ready(&name).await?) } else { None };
+    if !app.convs.alive(conv, ticket) {
+        eprintln!("srv router: request for conv_id={conv} cancelled while model name={name} was loading");
+        return Err(ApiError::invalid("request cancelled by a stop while the model was loading"));
+    }
+    let (port, guard) = app.models.begin_request(&name, true)?;
+    drop(ready);
+    if app.models.cfg.fake_timing {
+        tokio::time::sleep(models::FAKE_DELAY).await;
+    }
+    eprintln!("srv router: proxying request to model {name} on port {port}");
+    Ok(proxy::forward(port, fwd.method, &fwd.uri, &fwd.headers, fwd.body, guard).await)
+}
+
+/// The model serving a conversation's session and whether it is loaded.
+async fn conv_owner(app: &RouterApp, conv: &str) -> Option<(String, models::Status)> {
+    let name = app.convs.lookup(conv)?;
+    let meta = app.models.get_meta(&name).await?;
+    Some((meta.name, meta.status))
+}
+
+async fn stream_get(State(app): State<RouterApp>, Query(q): Params, OriginalUri(uri): OriginalUri, headers: HeaderMap) -> Result<Response, ApiError> {
+    let conv = q.get("conv_id").cloned().unwrap_or_default();
+    if conv.is_empty() {
+        return Err(ApiError::invalid("Missing conversation id in path"));
+    }
+    match conv_owner(&app, &conv).await {
+        Some((name, models::Status::Loaded)) => {
+            let (port, guard) = app.models.begin_request(&name, false)?;
+            Ok(proxy::forward(port, Method::GET, &uri, &headers, Bytes::new(), guard).await)
+        }
+        Some((_, models::Status::Loading | models::Status::Downloading | models::Status::Downloaded)) => {
+            Err(ApiError::new(ErrorType::Unavailable, "Stream owner model is loading, retry later"))
+        }
+        _ => Err(ApiError::new(ErrorType::NotFound, "Stream not found or expired")),
+    }
+}
+
+async fn stream_delete(State(app): State<RouterApp>, Query(q): Params, OriginalUri(uri): OriginalUri, headers: HeaderMap) -> Result<Response, ApiError> {
+    let conv = q.get("conv_id").cloned().unwrap_or_default();
+    if conv.is_empty() {
+        return Err(ApiError::invalid("Missing conversation id in path"));
+    }
+    match conv_owner(&app, &conv).await {
+        Some((name, models::Status::Loaded)) => {
+            if let Ok((port, guard)) = app.models.begin_request(&name, false) {
+                let res = proxy::forward(port, Method::DELETE, &uri, &headers, Bytes::new(), guard).await;
+                let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+            }
+        }
+        Some((name, _)) => eprintln!("srv router: router stop for conv_id={conv} while model name={name} is loading, cancelling the pending request"),
+        None => eprintln!("srv router: router stop for unknown conv_id={conv}, no owning child in the conv map"),
+    }
+    app.convs.forget(&conv);
+    Ok(crate::streams::no_content())
+}
+
+async fn streams_lookup(State(app): State<RouterApp>, OriginalUri(uri): OriginalUri, headers: HeaderMap, body: Bytes) -> Json<Value> {
+    let requested = crate::streams::requested_ids(&body).unwrap_or_default();
+    let mut per_child: HashMap<String, Vec<String>> = HashMap::new();
+    for id in requested {
+        if let Some((name, models::Status::Loaded)) = conv_owner(&app, &id).await {
+            per_child.entry(name).or_default().push(id);
+        }
+    }
+    let mut out = Vec::new();
+    for (name, ids) in per_child {
+        let Ok((port, guard)) = app.models.begin_request(&name, false) else { continue };
+        let body = Bytes::from(json!({"conversation_ids": ids}).to_string());
+        let ask = async {
+            let res = proxy::forward(port, Method::POST, &uri, &headers, body, guard).await;
+            if res.status() != StatusCode::OK {
+                return None;
+            }
+            axum::body::to_bytes(res.into_body(), usize::MAX).await.ok()
+        };
+        let Ok(Some(bytes)) = tokio::time::timeout(std::time::Duration::from_secs(2), ask).await else { continue };
+        if let Ok(Value::Array(entries)) = serde_json::from_slice::<Value>(&bytes) {
+            out.extend(entries.into_iter().filter(Value::is_object));
+        }
+    }
+    Json(Value::Array(out))
 }
 
 async fn get_props(State(app): State<RouterApp>, q: Params, uri: OriginalUri, headers: HeaderMap) -> Result<Response, ApiError> {
