@@ -1168,6 +1168,10 @@ impl<'m> Engine<'m> {
             TaskKind::Completion => unreachable!("completions are sampled"),
         }
         let a = self.release(id).expect("an embedding slot is active");
+        if let Ok(mut m) = self.metrics.lock() {
+            // no token is sampled, but the prompt was decoded
+            m.on_prompt(n_tokens as u64, a.t_prompt.elapsed().as_micros() as u64);
+        }
         self.ctx.seq_rm(id as i32, -1, -1);
         self.slots[id].cache.clear();
         let _ = a.task.events.send(Event::Embedding(out));
