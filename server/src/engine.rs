@@ -307,7 +307,7 @@ impl EngineHandle {
     pub fn set_lora_scales(&self, scales: &[(i64, f32)]) {
         if let Ok(mut l) = self.lora.lock() {
             for (i, a) in l.iter_mut().enumerate() {
-                a.scale = scales.iter().rev().find(|(id, _)| *id == i as i64).map_or(0.0, |&(_, s)| s);
+                a.scale = listed_scale(scales, i);
             }
         }
     }
@@ -499,6 +499,11 @@ fn reuse_chunks(
     cache.extend_from_slice(&prompt[..head_p]);
     slot_log_at(Verbosity::Debug, "update_slots", id, -1, &format!("after context reuse, new n_past = {head_p}"));
     head_p
+}
+
+/// Adapter `i`'s scale in an (id, scale) list: the last entry for it wins, unlisted is 0.
+fn listed_scale(list: &[(i64, f32)], i: usize) -> f32 {
+    list.iter().rev().find(|(id, _)| *id == i as i64).map_or(0.0, |&(_, s)| s)
 }
 
 /// llama.cpp's common_embd_normalize: -1 none, 0 max-absolute to the int16 range, 2 euclidean,
@@ -1076,9 +1081,7 @@ impl<'m> Engine<'m> {
     /// The adapter scales for a task: its own (unlisted adapters at 0), else the global ones.
     fn lora_scales(&self, asked: &Option<Vec<(i64, f32)>>) -> Vec<f32> {
         match asked {
-            Some(list) => (0..self.adapters.len())
-                .map(|i| list.iter().rev().find(|(id, _)| *id == i as i64).map_or(0.0, |&(_, s)| s))
-                .collect(),
+            Some(list) => (0..self.adapters.len()).map(|i| listed_scale(list, i)).collect(),
             None => self.shared.lora.lock().map(|l| l.iter().map(|a| a.scale).collect()).unwrap_or_default(),
         }
     }

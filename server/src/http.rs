@@ -214,6 +214,15 @@ pub async fn server_header(mut res: Response) -> Response {
     res
 }
 
+/// `[{"id": N, "scale": S}, ...]` as llama-server's parse_lora_request reads it (id -1 and scale
+/// 0 when missing).
+fn lora_list(entries: &[Value]) -> Vec<(i64, f32)> {
+    entries
+        .iter()
+        .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
+        .collect()
+}
+
 async fn lora_adapters(AxState(app): AxState<App>) -> Json<Value> {
     let list = app.engine.lora_adapters();
     Json(Value::Array(
@@ -232,11 +241,7 @@ async fn set_lora_adapters(AxState(app): AxState<App>, body: Bytes) -> Result<Js
     let Value::Array(entries) = body else {
         return Err(ApiError::invalid("Request body must be an array"));
     };
-    let scales: Vec<(i64, f32)> = entries
-        .iter()
-        .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
-        .collect();
-    app.engine.set_lora_scales(&scales);
+    app.engine.set_lora_scales(&lora_list(&entries));
     Ok(Json(json!({"success": true})))
 }
 
@@ -307,12 +312,7 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
         kind: crate::engine::TaskKind::Completion,
         lora: match body.get("lora") {
             None | Some(Value::Null) => None,
-            Some(Value::Array(entries)) => Some(
-                entries
-                    .iter()
-                    .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
-                    .collect(),
-            ),
+            Some(Value::Array(entries)) => Some(lora_list(entries)),
             Some(_) => {
                 return Err(ApiError::invalid("Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"))
             }
