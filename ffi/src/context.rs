@@ -121,7 +121,7 @@ impl<'m> Context<'m> {
     /// The pooled embedding of sequence `seq` (pooling mean/cls/last), or its rank scores
     /// (pooling rank: n_cls_out floats).
     pub fn embeddings_seq(&mut self, seq: i32) -> Option<&[f32]> {
-        let n = if self.pooling_type() == sys::LLAMA_POOLING_TYPE_RANK as i32 {
+        let n = if self.pooling_type() == sys::LLAMA_POOLING_TYPE_RANK {
             // SAFETY: valid model.
             unsafe { sys::llama_model_n_cls_out(self.model.as_ptr()) as usize }
         } else {
