@@ -14,6 +14,7 @@ use serde_json::{Map, Value};
 use crate::cors_proxy::feature_disabled;
 use crate::error::{ApiError, ErrorType};
 use crate::mcp::{self, McpManager};
+use crate::tools::params::type_name;
 use crate::tools::{self, Tools};
 
 /// Request parameters that only the matching header may set.
@@ -74,17 +75,6 @@ fn parse_call(body: &Bytes) -> Result<CallRequest, ApiError> {
     let params = v.get("params").cloned().unwrap_or_else(|| Value::Object(Map::new()));
     let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
     Ok(CallRequest { tool, params, stream })
-}
-
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
 }
 
 /// Drops the header-only parameters from the body and sets them from the headers instead.

@@ -7,7 +7,7 @@ mod builtin;
 mod edit;
 mod glob;
 mod io;
-mod params;
+pub(crate) mod params;
 mod process;
 mod routes;
 mod runtime;
