@@ -629,6 +629,32 @@ struct Active {
 }
 
 impl Active {
+    fn new(task: Task, sampler: Sampler, n_predict_max: i32, n_cached: usize, lora: Vec<f32>) -> Self {
+        Active {
+            gen: Generation::new(task.params.stop.clone()),
+            task,
+            sampler,
+            n_predict_max,
+            n_cached,
+            sampled: None,
+            i_batch: None,
+            tokens: Vec::new(),
+            probs: Vec::new(),
+            n_decoded: 0,
+            truncated: false,
+            t_prompt: Instant::now(),
+            prompt_ms: 0.0,
+            t_gen: None,
+            prompt_in_batch: false,
+            lora,
+            draft: Vec::new(),
+            draft_i_batch: Vec::new(),
+            n_draft_total: 0,
+            n_draft_accepted: 0,
+            n_draft_steps: 0,
+        }
+    }
+
     fn timings(&self, n_cache: usize) -> Timings {
         Timings {
             cache_n: self.n_cached,
@@ -1049,29 +1075,7 @@ impl<'m> Engine<'m> {
         for &t in &task.prompt {
             sampler.accept(t, false);
         }
-        slot.active = Some(Active {
-            gen: Generation::new(task.params.stop.clone()),
-            task,
-            sampler,
-            n_predict_max,
-            n_cached: keep,
-            sampled: None,
-            i_batch: None,
-            tokens: Vec::new(),
-            probs: Vec::new(),
-            n_decoded: 0,
-            truncated: false,
-            t_prompt: Instant::now(),
-            prompt_ms: 0.0,
-            t_gen: None,
-            prompt_in_batch: false,
-            lora,
-            draft: Vec::new(),
-            draft_i_batch: Vec::new(),
-            n_draft_total: 0,
-            n_draft_accepted: 0,
-            n_draft_steps: 0,
-        });
+        slot.active = Some(Active::new(task, sampler, n_predict_max, keep, lora));
         let a = slot.active.as_ref().expect("just started");
         if !a.send_progress(id, keep) {
             self.release(id);
@@ -1115,29 +1119,7 @@ impl<'m> Engine<'m> {
         let slot = &mut self.slots[id];
         slot.cache.clear();
         slot.lora = lora.clone();
-        slot.active = Some(Active {
-            gen: Generation::new(Vec::new()),
-            task,
-            sampler,
-            n_predict_max: 0,
-            n_cached: 0,
-            sampled: None,
-            i_batch: None,
-            tokens: Vec::new(),
-            probs: Vec::new(),
-            n_decoded: 0,
-            truncated: false,
-            t_prompt: Instant::now(),
-            prompt_ms: 0.0,
-            t_gen: None,
-            prompt_in_batch: false,
-            lora,
-            draft: Vec::new(),
-            draft_i_batch: Vec::new(),
-            n_draft_total: 0,
-            n_draft_accepted: 0,
-            n_draft_steps: 0,
-        });
+        slot.active = Some(Active::new(task, sampler, 0, 0, lora));
     }
 
     /// Reads a finished embedding or rerank task's result from the last decode, answers it and
