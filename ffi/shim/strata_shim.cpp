@@ -215,6 +215,9 @@ char * strata_params_json(const strata_params * p) {
         {"n_cache_reuse", c.n_cache_reuse},
         {"cache_ram_mib", c.cache_ram_mib},
         {"cache_idle_slots", c.cache_idle_slots},
+        {"n_ctx_checkpoints", c.n_ctx_checkpoints},
+        {"checkpoint_min_step", c.checkpoint_min_step},
+        {"swa_full", c.swa_full},
         {"slot_prompt_similarity", c.slot_prompt_similarity},
         {"speculative", {
             {"types", common_speculative_type_name_str(c.speculative.types)},
@@ -336,6 +339,10 @@ char * strata_chat_templates_apply(const strata_chat_templates * t, const char *
         for (const auto & tr : out.grammar_triggers) {
             triggers.push_back(trigger_json(tr));
         }
+        json delimiters = json::array();
+        for (const auto & d : out.message_delimiters.delimiters) {
+            delimiters.push_back({{"role", common_chat_role_to_string(d.role)}, {"delimiter", d.delimiter}});
+        }
         json j = {
             {"prompt", out.prompt},
             {"format", static_cast<int>(out.format)},
@@ -343,6 +350,7 @@ char * strata_chat_templates_apply(const strata_chat_templates * t, const char *
             {"grammar", out.grammar},
             {"grammar_lazy", out.grammar_lazy},
             {"generation_prompt", out.generation_prompt},
+            {"message_delimiters", delimiters},
             {"grammar_triggers", triggers},
             {"preserved_tokens", out.preserved_tokens},
             {"additional_stops", out.additional_stops},
@@ -720,6 +728,85 @@ void strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_
     common_speculative_accept(s->spec, seq, n_accepted);
 }
 
+struct strata_bytes {
+    std::vector<uint8_t> data;
+};
+
+strata_bytes * strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter) {
+    auto * b = new strata_bytes;
+    const llama_state_seq_flags flags = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
+    uint64_t n_dft = 0;
+    std::vector<uint8_t> dft;
+    if (llama_context * ctx = draft_context(s)) {
+        dft.resize(llama_state_seq_get_size_ext(ctx, seq, flags));
+        if (llama_state_seq_get_data_ext(ctx, dft.data(), dft.size(), seq, flags) != dft.size()) {
+            delete b;
+            return nullptr;
+        }
+        n_dft = dft.size();
+    }
+    // layout: n_dft (u64), with_drafter (u8), draft context state, drafter state
+    std::vector<uint8_t> spec;
+    if (with_drafter) {
+        common_speculative_get_state(s->spec, seq, spec);
+    }
+    const size_t head = sizeof(n_dft) + 1;
+    b->data.resize(head + dft.size() + spec.size());
+    std::memcpy(b->data.data(), &n_dft, sizeof(n_dft));
+    b->data[sizeof(n_dft)] = with_drafter ? 1 : 0;
+    std::copy(dft.begin(), dft.end(), b->data.begin() + head);
+    std::copy(spec.begin(), spec.end(), b->data.begin() + head + dft.size());
+    return b;
+}
+
+bool strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n) {
+    uint64_t n_dft = 0;
+    const size_t head = sizeof(n_dft) + 1;
+    if (n < head) {
+        return false;
+    }
+    std::memcpy(&n_dft, data, sizeof(n_dft));
+    if (n_dft > n - head) {
+        return false;
+    }
+    const bool with_drafter = data[sizeof(n_dft)] != 0;
+    const uint8_t * dft = data + head;
+    if (n_dft > 0) {
+        llama_context * ctx = draft_context(s);
+        if (!ctx || llama_state_seq_set_data_ext(ctx, dft, n_dft, seq, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) != n_dft) {
+            return false;
+        }
+    }
+    if (with_drafter) {
+        const std::vector<uint8_t> spec(dft + n_dft, data + n);
+        common_speculative_set_state(s->spec, seq, spec);
+    }
+    return true;
+}
+
+const uint8_t * strata_bytes_data(const strata_bytes * b) {
+    return b->data.data();
+}
+
+size_t strata_bytes_size(const strata_bytes * b) {
+    return b->data.size();
+}
+
+void strata_bytes_free(strata_bytes * b) {
+    delete b;
+}
+
+// ---- context memory -------------------------------------------------------------------------
+
+int32_t strata_speculative_seq_rm_type(strata_speculative * s) {
+    llama_context * ctx = draft_context(s);
+    return ctx ? static_cast<int32_t>(common_context_can_seq_rm(ctx)) : 1;
+}
+
+int32_t strata_context_seq_rm_type(struct llama_context * ctx) {
+    return static_cast<int32_t>(common_context_can_seq_rm(ctx));
+}
+
 // ---- router mode ----------------------------------------------------------------------------
 
 // Options a router keeps to itself: TLS, keys and the model list belong to the router only.
@@ -850,6 +937,17 @@ bool strata_router_check_repo(const char * repo, const char * hf_token, char ** 
 bool strata_router_download(strata_params * p, char ** err) {
     return guarded<bool>(err, false, [&]() {
         common_models_handler handler = common_models_handler_init(p->params, LLAMA_EXAMPLE_SERVER);
+        common_models_handler_apply(handler, p->params);
+        return true;
+    });
+}
+
+bool strata_params_resolve_models(strata_params * p, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_models_handler handler;
+        if (!p->params.model.hf_repo.empty()) {
+            handler = common_models_handler_init(p->params, LLAMA_EXAMPLE_SERVER);
+        }
         common_models_handler_apply(handler, p->params);
         return true;
     });

@@ -151,6 +151,23 @@ int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq
 // The most draft tokens any configured drafter proposes.
 int32_t strata_speculative_n_max(const strata_speculative * s);
 void                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted);
+// A context checkpoint's share of the drafter: the part of the draft context's sequence that
+// cannot be cut back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and, with_drafter, the drafter's own
+// state, as one buffer; restore puts back what it holds. NULL/false on failure.
+typedef struct strata_bytes strata_bytes;
+strata_bytes *  strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter);
+bool            strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n);
+const uint8_t * strata_bytes_data(const strata_bytes * b);
+size_t          strata_bytes_size(const strata_bytes * b);
+void            strata_bytes_free(strata_bytes * b);
+
+// ---- context memory -------------------------------------------------------------------------
+
+// common_context_can_seq_rm: 0 no sequence removal, 1 partial, 2 whole sequences only,
+// 3 partial within llama_n_rs_seq positions. Clears the context's memory.
+int32_t strata_context_seq_rm_type(struct llama_context * ctx);
+// The same for the draft context (1 without one). Clears the draft context's memory.
+int32_t strata_speculative_seq_rm_type(strata_speculative * s);
 
 // ---- router mode ----------------------------------------------------------------------------
 
@@ -165,6 +182,9 @@ bool strata_router_check_repo(const char * repo, const char * hf_token, char ** 
 
 // Resolves (downloading if needed) the model files params name; a download child runs this.
 bool strata_router_download(strata_params * p, char ** err);
+// What llama-server does before loading in single-model mode: downloads what -hf/-mu/-hfd name
+// and infers --spec-type from the draft model's file when none was given.
+bool strata_params_resolve_models(strata_params * p, char ** err);
 
 // Removes a cached Hugging Face model from disk; false when nothing was removed.
 bool strata_router_remove_cached(const char * repo);

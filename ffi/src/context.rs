@@ -102,6 +102,12 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_seq_pos_min(sys::llama_get_memory(self.ptr.as_ptr()), seq) }
     }
 
+    /// The largest position sequence `seq` holds, -1 if empty.
+    pub fn seq_pos_max(&self, seq: i32) -> i32 {
+        // SAFETY: valid context; its memory lives as long as the context.
+        unsafe { sys::llama_memory_seq_pos_max(sys::llama_get_memory(self.ptr.as_ptr()), seq) }
+    }
+
     /// llama_pooling_type of this context (0 = none: one embedding per token).
     pub fn pooling_type(&self) -> i32 {
         // SAFETY: valid context.
@@ -166,32 +172,38 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_state_seq_save_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_ptr(), tokens.len()) }
     }
 
-    /// The size in bytes of sequence `seq`'s whole state.
-    pub fn seq_state_size(&self, seq: i32) -> usize {
-        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
+    /// The size in bytes of sequence `seq`'s state, whole or partial.
+    pub fn seq_state_size(&self, seq: i32, scope: StateScope) -> usize {
         // SAFETY: valid context; the size query has no other preconditions.
-        unsafe { sys::llama_state_seq_get_size_ext(self.ptr.as_ptr(), seq, flags) }
+        unsafe { sys::llama_state_seq_get_size_ext(self.ptr.as_ptr(), seq, scope.flags()) }
     }
 
-    /// A copy of sequence `seq`'s whole state (KV and recurrent), or None if it cannot be read.
-    pub fn seq_state(&self, seq: i32) -> Option<Vec<u8>> {
-        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
-        let size = self.seq_state_size(seq);
+    /// A copy of sequence `seq`'s state, or None if it cannot be read.
+    pub fn seq_state(&self, seq: i32, scope: StateScope) -> Option<Vec<u8>> {
+        let size = self.seq_state_size(seq, scope);
         let mut data = Vec::new();
         data.try_reserve_exact(size).ok()?;
         data.resize(size, 0);
         // SAFETY: valid context; data has room for exactly `size` bytes.
-        let n = unsafe { sys::llama_state_seq_get_data_ext(self.ptr.as_ptr(), data.as_mut_ptr(), size, seq, flags) };
+        let n = unsafe { sys::llama_state_seq_get_data_ext(self.ptr.as_ptr(), data.as_mut_ptr(), size, seq, scope.flags()) };
         (n == size).then_some(data)
     }
 
-    /// Replaces sequence `seq`'s state with one taken by [`Context::seq_state`]; false if it
-    /// does not fit or does not match this context.
-    pub fn set_seq_state(&mut self, seq: i32, data: &[u8]) -> bool {
-        let flags = sys::LLAMA_STATE_SEQ_FLAGS_NONE as sys::llama_state_seq_flags;
+    /// Puts back a state taken by [`Context::seq_state`] with the same scope; false if it does
+    /// not fit or does not match this context.
+    pub fn set_seq_state(&mut self, seq: i32, data: &[u8], scope: StateScope) -> bool {
         // SAFETY: valid context; data is a readable slice of data.len() bytes.
-        let n = unsafe { sys::llama_state_seq_set_data_ext(self.ptr.as_ptr(), data.as_ptr(), data.len(), seq, flags) };
+        let n = unsafe { sys::llama_state_seq_set_data_ext(self.ptr.as_ptr(), data.as_ptr(), data.len(), seq, scope.flags()) };
         n == data.len()
+    }
+
+    /// How this context's memory can cut a sequence back. Clears the memory (it decodes two
+    /// tokens to find out), so ask before serving.
+    pub fn probe_seq_rm(&mut self) -> SeqRm {
+        // SAFETY: valid context.
+        let kind = unsafe { sys::strata_context_seq_rm_type(self.ptr.as_ptr()) };
+        // SAFETY: valid context.
+        SeqRm::from_kind(kind, unsafe { sys::llama_n_rs_seq(self.ptr.as_ptr()) } as usize)
     }
 
     /// Loads a saved sequence into `seq`: (bytes read, tokens), or None when the file is not a
@@ -209,6 +221,50 @@ impl<'m> Context<'m> {
         }
         tokens.truncate(n);
         Some((read, tokens))
+    }
+}
+
+/// Which part of a sequence's state to copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateScope {
+    /// Everything: KV cache and recurrent state.
+    Whole,
+    /// Only what cannot be cut back by position: recurrent state and sliding-window cells (a
+    /// context checkpoint).
+    Partial,
+}
+
+impl StateScope {
+    fn flags(self) -> sys::llama_state_seq_flags {
+        (match self {
+            StateScope::Whole => sys::LLAMA_STATE_SEQ_FLAGS_NONE,
+            StateScope::Partial => sys::LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+        }) as sys::llama_state_seq_flags
+    }
+}
+
+/// How far a context's memory can remove the tail of a sequence (common_context_can_seq_rm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqRm {
+    /// Not at all (no memory).
+    No,
+    /// Any tail.
+    Partial,
+    /// Only whole sequences (recurrent state without snapshots).
+    WholeOnly,
+    /// Tails of at most this many positions (recurrent-state snapshots, llama_n_rs_seq).
+    Bounded(usize),
+}
+
+impl SeqRm {
+    /// From common_context_seq_rm_type and the context's llama_n_rs_seq.
+    pub(crate) fn from_kind(kind: i32, n_rs_seq: usize) -> Self {
+        match kind {
+            1 => SeqRm::Partial,
+            2 => SeqRm::WholeOnly,
+            3 => SeqRm::Bounded(n_rs_seq),
+            _ => SeqRm::No,
+        }
     }
 }
 

@@ -41,6 +41,13 @@ pub fn router_download(params: &mut ServerParams) -> Result<()> {
     call(|err| unsafe { sys::strata_router_download(params.as_mut_ptr(), err) }.then_some(()))
 }
 
+/// Resolves the model files of single-model mode as llama-server does before loading: downloads
+/// (-hf, -mu, -hfd) and the speculative type a draft model's file implies.
+pub fn resolve_models(params: &mut ServerParams) -> Result<()> {
+    // SAFETY: valid, exclusively borrowed handle.
+    call(|err| unsafe { sys::strata_params_resolve_models(params.as_mut_ptr(), err) }.then_some(()))
+}
+
 /// Removes a cached Hugging Face model; false when there was nothing to remove.
 pub fn router_remove_cached(repo: &str) -> bool {
     let Ok(repo) = cstring(repo, "repo") else { return false };

@@ -73,6 +73,35 @@ impl Speculative {
         unsafe { sys::strata_speculative_has_context(self.ptr.as_ptr()) }
     }
 
+    /// How far the draft context can cut a sequence back (Partial without one). Clears the
+    /// draft context's memory, so ask before serving.
+    pub fn probe_seq_rm(&mut self) -> crate::SeqRm {
+        // SAFETY: valid drafter; the draft context, if any, is not used while the call runs.
+        let kind = unsafe { sys::strata_speculative_seq_rm_type(self.ptr.as_ptr()) };
+        crate::SeqRm::from_kind(kind, 0)
+    }
+
+    /// The drafter's part of a context checkpoint for `seq` (the draft context's partial state,
+    /// and with `with_drafter` the drafter's own), for [`Speculative::restore`].
+    pub fn checkpoint(&mut self, seq: i32, with_drafter: bool) -> Option<Vec<u8>> {
+        // SAFETY: valid drafter; the returned buffer is copied, then freed once.
+        unsafe {
+            let b = sys::strata_speculative_checkpoint(self.ptr.as_ptr(), seq, with_drafter);
+            if b.is_null() {
+                return None;
+            }
+            let out = std::slice::from_raw_parts(sys::strata_bytes_data(b), sys::strata_bytes_size(b)).to_vec();
+            sys::strata_bytes_free(b);
+            Some(out)
+        }
+    }
+
+    /// Puts back what [`Speculative::checkpoint`] took; false if it does not fit.
+    pub fn restore(&mut self, seq: i32, data: &[u8]) -> bool {
+        // SAFETY: valid drafter; data is readable for its length.
+        unsafe { sys::strata_speculative_restore(self.ptr.as_ptr(), seq, data.as_ptr(), data.len()) }
+    }
+
     pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
         // SAFETY: valid drafter; out-of-range positions are handled by llama.cpp.
         unsafe { sys::strata_speculative_seq_rm(self.ptr.as_ptr(), seq, p0, p1) }
