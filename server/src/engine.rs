@@ -12,9 +12,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use strata_ffi::{Batch, Context, DecodeError, LoraAdapter, Model, Sampler, ServerParams, Speculative, Token, Verbosity};
+use strata_ffi::{Batch, Context, DecodeError, LoraAdapter, Model, Sampler, SeqRm, ServerParams, Speculative, StateScope, Token, Verbosity};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::checkpoint::{self, Checkpoint};
 use crate::error::{ApiError, ErrorType};
 use crate::generation::{Generation, StopType};
 use crate::metrics::Metrics;
@@ -54,6 +55,9 @@ pub struct LoraInfo {
 #[derive(Debug, Clone)]
 pub struct TaskParams {
     pub kind: TaskKind,
+    /// Tokenized chat message delimiters, in the template's order of preference: (starts a user
+    /// message, tokens). Context checkpoints are also taken where user messages start.
+    pub message_delimiters: Vec<(bool, Vec<Token>)>,
     /// Per-request adapter scales by adapter id; adapters not listed get 0. None: the global
     /// scales.
     pub lora: Option<Vec<(i64, f32)>>,
@@ -347,6 +351,12 @@ pub struct EngineConfig {
     /// --cache-idle-slots: copy idle slots to the prompt cache when a task starts (and, with a
     /// unified KV cache, clear them to make room).
     pub cache_idle_slots: bool,
+    /// --ctx-checkpoints: most context checkpoints kept per slot (0 = none).
+    pub n_ctx_checkpoints: usize,
+    /// --checkpoint-min-step: least distance in tokens between two checkpoints.
+    pub checkpoint_min_step: usize,
+    /// --swa-full: the sliding-window cache keeps every position, so needs no checkpoints.
+    pub swa_full: bool,
     /// --slot-prompt-similarity: reuse a slot whose cache shares this fraction of the prompt.
     pub slot_prompt_similarity: f32,
     /// A drafter is configured (--spec-type other than none, or a draft model).
@@ -436,14 +446,17 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             }
         };
         let mut ctx = ctx;
-        let spec = match new_speculative(&mut cfg, &model, &mut ctx) {
+        let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {
                 let _ = state.send(State::Failed(e));
                 return;
             }
         };
-        let mut engine = Engine::new(ctx, spec, &cfg, shared, &adapters);
+        let mut spec = spec;
+        let seq_rm = ctx.probe_seq_rm();
+        let draft_seq_rm = spec.as_mut().map_or(SeqRm::Partial, Speculative::probe_seq_rm);
+        let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, shared, &adapters);
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);
@@ -519,6 +532,38 @@ pub fn normalize_embedding(v: &[f32], norm: i32) -> Vec<f32> {
     v.iter().map(|&x| x * scale).collect()
 }
 
+/// Where user messages start in `prompt`: at each position the first delimiter that matches
+/// there names the role (llama.cpp's common_chat_msg_delimiters::split).
+fn user_starts(prompt: &[Token], delimiters: &[(bool, Vec<Token>)]) -> Vec<usize> {
+    if delimiters.is_empty() {
+        return Vec::new();
+    }
+    (0..prompt.len())
+        .filter(|&i| delimiters.iter().find(|(_, d)| prompt[i..].starts_with(d)).is_some_and(|(user, _)| *user))
+        .collect()
+}
+
+/// Adds a context checkpoint of slot's sequence as it stands (covering its first `n_tokens`).
+fn take_checkpoint(
+    ctx: &Context<'_>,
+    spec: Option<&mut Speculative>,
+    slot: &mut Slot,
+    policy: checkpoint::Policy,
+    n_tokens: usize,
+    pos_min: i32,
+    pos_max: i32,
+) {
+    let id = slot.id as i32;
+    let task = slot.active.as_ref().map_or(0, |a| a.task.id);
+    checkpoint::make_room(&mut slot.checkpoints, policy, slot.id, task, n_tokens);
+    let Some(tgt) = ctx.seq_state(id, StateScope::Partial) else {
+        slot_log_at(Verbosity::Warn, "create_check", slot.id, task as i64, "failed to copy the sequence state for a context checkpoint");
+        return;
+    };
+    let spec = spec.and_then(|s| s.checkpoint(id, true));
+    checkpoint::push(&mut slot.checkpoints, policy, slot.id, Checkpoint { n_tokens, pos_min, pos_max, task, tgt, spec });
+}
+
 /// The longest draft that fits: room in the slot's context (one token kept free for a context
 /// shift) and in what is left of n_predict (llama-server's get_n_draft_max).
 fn draft_max(a: &Active, n_cached: usize, n_ctx_slot: usize) -> usize {
@@ -530,13 +575,8 @@ fn draft_max(a: &Active, n_cached: usize, n_ctx_slot: usize) -> usize {
 }
 
 /// The drafter llama-server would set up for these flags, if any.
-fn new_speculative(cfg: &mut EngineConfig, model: &Model, ctx: &mut Context<'_>) -> Result<Option<Speculative>, String> {
+fn new_speculative(cfg: &mut EngineConfig, ctx: &mut Context<'_>) -> Result<Option<Speculative>, String> {
     if !cfg.speculative {
-        return Ok(None);
-    }
-    if model.has_recurrent_state() {
-        // Rejected drafts are undone by cutting the sequence back, which recurrent state cannot do.
-        srv_log(Verbosity::Warn, "load_model", "speculative decoding is not supported for models with recurrent state, disabling it");
         return Ok(None);
     }
     let n_seq = cfg.n_parallel.max(1) as u32;
@@ -626,6 +666,11 @@ struct Active {
     n_draft_total: usize,
     n_draft_accepted: usize,
     n_draft_steps: usize,
+    /// The slot's partial state from before the current draft, when rejecting part of it
+    /// cannot be undone by cutting the sequence back.
+    spec_ckpt: Option<Checkpoint>,
+    /// Prompt positions where a user message starts (ascending).
+    user_starts: Vec<usize>,
 }
 
 impl Active {
@@ -652,6 +697,8 @@ impl Active {
             n_draft_total: 0,
             n_draft_accepted: 0,
             n_draft_steps: 0,
+            spec_ckpt: None,
+            user_starts: Vec::new(),
         }
     }
 
@@ -704,6 +751,16 @@ struct Slot {
     lora: Vec<f32>,
     last_used: Instant,
     active: Option<Active>,
+    /// Context checkpoints of `cache`, oldest first.
+    checkpoints: Vec<Checkpoint>,
+}
+
+impl Slot {
+    /// Forgets the cached tokens (the caller drops them from the KV cache).
+    fn forget(&mut self) {
+        self.cache.clear();
+        self.checkpoints.clear();
+    }
 }
 
 struct Engine<'m> {
@@ -728,6 +785,17 @@ struct Engine<'m> {
     adapters: &'m [LoraAdapter<'m>],
     /// The adapter scales the context decodes with now.
     applied_lora: Vec<f32>,
+    /// How far the context can cut a sequence back.
+    seq_rm: SeqRm,
+    /// The same for the drafter's context.
+    draft_seq_rm: SeqRm,
+    /// Sliding-window size the cache keeps (0 with --swa-full or without SWA).
+    n_swa: usize,
+    n_ubatch: usize,
+    /// Context checkpoints, when the memory needs them and --ctx-checkpoints allows.
+    checkpoints: Option<checkpoint::Policy>,
+    /// Accepted draft tokens to decode again after a checkpoint restore, per slot.
+    replays: Vec<(usize, Vec<Token>)>,
 }
 
 /// The probability of `token` and the `n` most likely tokens, by softmax over all logits
@@ -752,7 +820,7 @@ fn slot_log(func: &str, slot: usize, task: u64, msg: &str) {
     slot_log_at(Verbosity::Info, func, slot, task as i64, msg);
 }
 
-fn slot_log_at(level: Verbosity, func: &str, slot: usize, task: i64, msg: &str) {
+pub(crate) fn slot_log_at(level: Verbosity, func: &str, slot: usize, task: i64, msg: &str) {
     let func = &func[..func.len().min(12)];
     strata_ffi::log(level, &format!("slot {func:>12}: id {slot:2} | task {task} | {msg}\n"));
 }
@@ -767,7 +835,14 @@ pub(crate) fn common_prefix(a: &[Token], b: &[Token]) -> usize {
 }
 
 impl<'m> Engine<'m> {
-    fn new(ctx: Context<'m>, spec: Option<Speculative>, cfg: &'m EngineConfig, shared: &'m Shared, adapters: &'m [LoraAdapter<'m>]) -> Self {
+    fn new(
+        ctx: Context<'m>,
+        spec: Option<Speculative>,
+        [seq_rm, draft_seq_rm]: [SeqRm; 2],
+        cfg: &'m EngineConfig,
+        shared: &'m Shared,
+        adapters: &'m [LoraAdapter<'m>],
+    ) -> Self {
         let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
@@ -778,7 +853,9 @@ impl<'m> Engine<'m> {
             strata_ffi::log_info("srv  load_model: ctx_shift is not supported by this context, it will be disabled\n");
         }
         let now = Instant::now();
-        let slots = (0..n_parallel).map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None }).collect();
+        let slots = (0..n_parallel)
+            .map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None, checkpoints: Vec::new() })
+            .collect();
         let draft_ctx = spec.as_ref().is_some_and(Speculative::has_context);
         let prompt_cache = match cfg.cache_ram_mib {
             // The draft model's context keeps its own copy of each sequence, which the cache
@@ -814,6 +891,23 @@ impl<'m> Engine<'m> {
                 srv_log(Verbosity::Debug, "init", "__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__");
             }
         }
+        let n_swa = if cfg.swa_full { 0 } else { ctx.model().n_swa().max(0) as usize };
+        if seq_rm == SeqRm::No {
+            srv_log(Verbosity::Warn, "load_model", "speculative decoding not supported by this context");
+        }
+        if seq_rm == SeqRm::WholeOnly {
+            srv_log(Verbosity::Trace, "load_model", "speculative decoding will use checkpoints");
+        }
+        let needs_checkpoints = matches!(seq_rm, SeqRm::WholeOnly | SeqRm::Bounded(_)) || n_swa > 0;
+        let checkpoints = (cfg.n_ctx_checkpoints > 0 && needs_checkpoints)
+            .then_some(checkpoint::Policy { max: cfg.n_ctx_checkpoints, min_step: cfg.checkpoint_min_step });
+        if cfg.n_ctx_checkpoints > 0 {
+            let msg = format!("context checkpoints enabled, max = {}, min spacing = {}", cfg.n_ctx_checkpoints, cfg.checkpoint_min_step);
+            srv_log(Verbosity::Trace, "load_model", &msg);
+        } else {
+            srv_log(Verbosity::Trace, "load_model", "context checkpoints disabled");
+        }
+        let n_ubatch = ctx.n_ubatch().max(1) as usize;
         Self {
             spec,
             ctx,
@@ -834,6 +928,12 @@ impl<'m> Engine<'m> {
             n_cache_reuse,
             adapters,
             applied_lora: Vec::new(),
+            seq_rm,
+            draft_seq_rm,
+            n_swa,
+            n_ubatch,
+            checkpoints,
+            replays: Vec::new(),
         }
     }
 
@@ -891,10 +991,11 @@ impl<'m> Engine<'m> {
                 let ok = restored.filter(|(_, toks)| toks.iter().all(|&t| (0..n_vocab).contains(&t)));
                 let Some((n_read, tokens)) = ok else {
                     self.ctx.seq_rm(id as i32, 0, -1);
-                    self.slots[id].cache.clear();
+                    self.slots[id].forget();
                     return Err(ApiError::invalid("Unable to restore slot: No available space in KV cache or invalid slot save file"));
                 };
                 let n = tokens.len();
+                self.slots[id].forget();
                 self.slots[id].cache = tokens;
                 if let Some(spec) = self.spec.as_mut().filter(|s| s.has_context()) {
                     spec.seq_rm(id as i32, -1, -1);
@@ -911,7 +1012,7 @@ impl<'m> Engine<'m> {
                 if let Some(spec) = self.spec.as_mut() {
                     spec.seq_rm(id as i32, -1, -1);
                 }
-                self.slots[id].cache.clear();
+                self.slots[id].forget();
                 Ok(serde_json::json!({"id_slot": id, "n_erased": n}))
             }
         }
@@ -954,14 +1055,17 @@ impl<'m> Engine<'m> {
         let t0 = Instant::now();
         let ctx = &mut self.ctx;
         let slot = &mut self.slots[id];
-        cache.save(&slot.cache, ctx.seq_state_size(id as i32), || ctx.seq_state(id as i32));
+        let size = ctx.seq_state_size(id as i32, StateScope::Whole) + slot.checkpoints.iter().map(Checkpoint::size).sum::<usize>();
+        let checkpoints = &slot.checkpoints;
+        cache.save(&slot.cache, size, || ctx.seq_state(id as i32, StateScope::Whole), || checkpoints.clone());
         if let Some(entry) = cache.take_best(&slot.cache, prompt) {
-            if ctx.set_seq_state(id as i32, &entry.state) {
+            if ctx.set_seq_state(id as i32, &entry.state, StateScope::Whole) {
                 slot.cache = entry.tokens;
+                slot.checkpoints = entry.checkpoints;
             } else {
                 slot_log_at(Verbosity::Warn, "prompt_load", id, -1, "failed to load prompt from cache");
                 ctx.seq_rm(id as i32, -1, -1);
-                slot.cache.clear();
+                slot.forget();
             }
         }
         cache.update();
@@ -977,13 +1081,15 @@ impl<'m> Engine<'m> {
             let id = slot.id as i32;
             slot_log_at(Verbosity::Trace, "process_sing", slot.id, -1, "saving idle slot to prompt cache");
             let ctx = &self.ctx;
-            if cache.save(&slot.cache, ctx.seq_state_size(id), || ctx.seq_state(id)) {
+            let size = ctx.seq_state_size(id, StateScope::Whole) + slot.checkpoints.iter().map(Checkpoint::size).sum::<usize>();
+            let checkpoints = &slot.checkpoints;
+            if cache.save(&slot.cache, size, || ctx.seq_state(id, StateScope::Whole), || checkpoints.clone()) {
                 slot_log_at(Verbosity::Debug, "process_sing", slot.id, -1, "__TEST_TAG_CACHE_IDLE_SLOT__");
                 cache.update();
             }
             if self.kv_unified && !slot.cache.is_empty() {
                 self.ctx.seq_rm(id, -1, -1);
-                slot.cache.clear();
+                slot.forget();
             }
         }
     }
@@ -1031,11 +1137,10 @@ impl<'m> Engine<'m> {
                 if let Some(spec) = self.spec.as_mut() {
                     spec.seq_rm(id as i32, -1, -1);
                 }
-                slot.cache.clear();
+                slot.forget();
             }
             slot.lora = lora.clone();
         }
-        let n_swa = model.n_swa().max(0) as usize;
         let reusable = task.params.cache_prompt && !slot.draft_stale;
         slot.draft_stale = false;
         let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
@@ -1048,23 +1153,52 @@ impl<'m> Engine<'m> {
                 slot_log_at(Verbosity::Warn, "update_slots", id, task.id as i64, &msg);
             }
         }
+        // Sliding-window cells and recurrent state hold only the latest positions: the kept
+        // prefix is usable as is only if they still reach back far enough, else from the nearest
+        // context checkpoint, else not at all.
+        let mut pos_next = keep as i32;
+        let pos_min_thold = (pos_next - self.n_swa as i32 - i32::from(keep == n_prompt)).max(0);
+        if keep > 0 && self.ctx.seq_pos_min(id as i32) >= pos_min_thold {
+            let found = checkpoint::find(&slot.checkpoints, pos_next, pos_min_thold);
+            let restored = found.filter(|&i| {
+                let c = &slot.checkpoints[i];
+                let spec_ok = match (self.spec.as_mut(), &c.spec) {
+                    (Some(spec), Some(data)) => spec.restore(id as i32, data),
+                    _ => true,
+                };
+                spec_ok && self.ctx.set_seq_state(id as i32, &c.tgt, StateScope::Partial)
+            });
+            match restored {
+                Some(i) => {
+                    let c = &slot.checkpoints[i];
+                    pos_next = pos_next.min((c.pos_min + 1).max(c.pos_max));
+                    keep = (pos_next.max(0) as usize).min(c.n_tokens);
+                    let msg = format!(
+                        "restored context checkpoint (pos_min = {}, pos_max = {}, n_tokens = {}, n_past = {keep}, size = {:.3} MiB)",
+                        c.pos_min,
+                        c.pos_max,
+                        c.n_tokens,
+                        c.size() as f64 / (1024.0 * 1024.0)
+                    );
+                    slot_log_at(Verbosity::Trace, "update_slots", id, task.id as i64, &msg);
+                }
+                None => {
+                    let msg = "forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)";
+                    slot_log_at(Verbosity::Trace, "update_slots", id, task.id as i64, msg);
+                    pos_next = 0;
+                    keep = 0;
+                }
+            }
+        }
+        checkpoint::invalidate(&mut slot.checkpoints, pos_next, self.n_swa, id, task.id);
         // At least one prompt token must be decoded to get logits for the first sample.
         keep = keep.min(n_prompt - 1);
-        // A sliding-window cache keeps only the last positions: the kept prefix is usable only
-        // if the window before its end is still there (llama-server restores a context
-        // checkpoint otherwise; without one the prompt is processed again).
-        if n_swa > 0 && keep > 0 && self.ctx.seq_pos_min(id as i32) > keep.saturating_sub(n_swa) as i32 {
-            let msg = "forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)";
-            slot_log_at(Verbosity::Trace, "update_slots", id, task.id as i64, msg);
-            keep = 0;
-        }
         if !self.ctx.seq_rm(id as i32, keep as i32, -1) {
             self.ctx.seq_rm(id as i32, 0, -1);
             keep = 0;
         }
         if let Some(spec) = self.spec.as_mut() {
             spec.seq_rm(id as i32, keep as i32, -1);
-            spec.begin(id as i32, &task.prompt);
             if spec.has_synth() {
                 spec.synth_seed(id as i32, &sampler);
             }
@@ -1075,7 +1209,10 @@ impl<'m> Engine<'m> {
         for &t in &task.prompt {
             sampler.accept(t, false);
         }
-        slot.active = Some(Active::new(task, sampler, n_predict_max, keep, lora));
+        let starts = if self.checkpoints.is_some() { user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
+        let mut active = Active::new(task, sampler, n_predict_max, keep, lora);
+        active.user_starts = starts;
+        slot.active = Some(active);
         let a = slot.active.as_ref().expect("just started");
         if !a.send_progress(id, keep) {
             self.release(id);
@@ -1117,7 +1254,7 @@ impl<'m> Engine<'m> {
         self.ctx.seq_rm(id as i32, -1, -1);
         let lora = self.lora_scales(&task.params.lora);
         let slot = &mut self.slots[id];
-        slot.cache.clear();
+        slot.forget();
         slot.lora = lora.clone();
         slot.active = Some(Active::new(task, sampler, 0, 0, lora));
     }
@@ -1158,7 +1295,7 @@ impl<'m> Engine<'m> {
             m.on_prompt(n_tokens as u64, a.t_prompt.elapsed().as_micros() as u64);
         }
         self.ctx.seq_rm(id as i32, -1, -1);
-        self.slots[id].cache.clear();
+        self.slots[id].forget();
         let _ = a.task.events.send(Event::Embedding(out));
     }
 
@@ -1295,16 +1432,41 @@ impl<'m> Engine<'m> {
             if let Some(t) = a.sampled.take() {
                 batch_lora.get_or_insert_with(|| a.lora.clone());
                 let room = capacity - self.batch.len() - 1;
-                let draft = match self.spec.as_mut() {
+                let draft = match self.spec.as_mut().filter(|_| self.seq_rm != SeqRm::No) {
                     Some(spec) => {
                         let n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
+                        // a draft context that cannot cut drafted tokens back gets its state back instead
+                        let saved = (self.draft_seq_rm == SeqRm::WholeOnly && n_max > 0).then(|| spec.checkpoint(slot.id as i32, false)).flatten();
                         let draft = if n_max > 0 { spec.draft(slot.id as i32, &slot.cache, t, n_max) } else { Vec::new() };
+                        if let Some(state) = saved {
+                            spec.restore(slot.id as i32, &state);
+                        }
                         // Drafting decodes into the draft context; it gets this batch next, as the target does.
                         spec.seq_rm(slot.id as i32, slot.cache.len() as i32, -1);
                         draft
                     }
                     None => Vec::new(),
                 };
+                // A context that cannot drop a rejected draft's tail is restored from a copy.
+                let needs_ckpt = match self.seq_rm {
+                    SeqRm::WholeOnly => !draft.is_empty(),
+                    SeqRm::Bounded(n) => draft.len() > n,
+                    _ => false,
+                };
+                a.spec_ckpt = None;
+                if needs_ckpt {
+                    let id = slot.id as i32;
+                    let (pos_min, pos_max) = (self.ctx.seq_pos_min(id), self.ctx.seq_pos_max(id));
+                    let spec_state = self.spec.as_mut().and_then(|s| s.checkpoint(id, true));
+                    a.spec_ckpt = self.ctx.seq_state(id, StateScope::Partial).map(|tgt| Checkpoint {
+                        n_tokens: slot.cache.len(),
+                        pos_min,
+                        pos_max,
+                        task: a.task.id,
+                        tgt,
+                        spec: spec_state,
+                    });
+                }
                 let i0 = self.batch.len() as i32;
                 a.i_batch = Some(i0);
                 self.batch.add(t, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
@@ -1336,10 +1498,19 @@ impl<'m> Engine<'m> {
                 continue;
             }
             a.prompt_in_batch = lora_ok && a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
-            if a.prompt_in_batch {
-                batch_lora.get_or_insert_with(|| a.lora.clone());
+            if !a.prompt_in_batch {
+                continue;
             }
-            while a.prompt_in_batch && slot.cache.len() < n_prompt && self.batch.len() < capacity {
+            batch_lora.get_or_insert_with(|| a.lora.clone());
+            let n_start = slot.cache.len();
+            // The last 4 + n_ubatch and the last 4 tokens start batches of their own, so that
+            // checkpoints can be taken just before them.
+            // and so do user messages, the last one always, the others when spaced apart
+            let breaks = [(4 + self.n_ubatch).min(capacity), 4.min(capacity)];
+            let last_user = a.user_starts.last().copied();
+            let min_step = self.checkpoints.map_or(0, |p| p.min_step);
+            let spaced = |list: &[Checkpoint], pos: usize| list.last().is_none_or(|c| pos > c.n_tokens + min_step);
+            while slot.cache.len() < n_prompt && self.batch.len() < capacity {
                 let pos = slot.cache.len();
                 let t = a.task.prompt[pos];
                 let last = pos + 1 == n_prompt;
@@ -1347,6 +1518,24 @@ impl<'m> Engine<'m> {
                 slot.cache.push(t);
                 if last {
                     a.i_batch = Some(self.batch.len() as i32 - 1);
+                }
+                let next = slot.cache.len();
+                if self.checkpoints.is_some() {
+                    let user = a.user_starts.binary_search(&next).is_ok() && (Some(next) == last_user || spaced(&slot.checkpoints, next));
+                    if user || breaks.contains(&(n_prompt - next)) {
+                        break;
+                    }
+                }
+            }
+            if self.checkpoints.is_some() {
+                // taken before the decode: the state covers the tokens before this batch
+                let near_end = n_prompt < slot.cache.len() + self.n_ubatch;
+                let at_user = a.user_starts.binary_search(&n_start).is_ok();
+                let wanted = near_end || (at_user && (Some(n_start) == last_user || spaced(&slot.checkpoints, n_start)));
+                let pos_min = self.ctx.seq_pos_min(slot.id as i32);
+                if let Some(policy) = self.checkpoints.filter(|_| wanted && pos_min >= 0) {
+                    let pos_max = self.ctx.seq_pos_max(slot.id as i32);
+                    take_checkpoint(&self.ctx, self.spec.as_mut(), slot, policy, n_start, pos_min, pos_max);
                 }
             }
         }
@@ -1357,43 +1546,7 @@ impl<'m> Engine<'m> {
             self.ctx.set_lora(self.adapters, &lora);
             self.applied_lora = lora;
         }
-        if let Err(e) = self.ctx.decode(&self.batch) {
-            let msg = match e {
-                DecodeError::NoKvCacheSlot => "Context size has been exceeded.",
-                DecodeError::InvalidBatch => "Invalid input batch.",
-                DecodeError::Aborted => "Decoding was aborted.",
-                DecodeError::Fatal(_) => "Compute error.",
-            };
-            // As llama-server: every processing slot fails, and its sequence is dropped.
-            for id in 0..self.slots.len() {
-                if let Some(a) = self.release(id) {
-                    let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
-                    self.ctx.seq_rm(id as i32, 0, -1);
-                    if let Some(spec) = self.spec.as_mut() {
-                        spec.seq_rm(id as i32, -1, -1);
-                    }
-                    self.slots[id].cache.clear();
-                }
-            }
-            return true;
-        }
-        // The draft model (or MTP head) sees every target batch, prompts included.
-        let spec_ok = match self.spec.as_mut() {
-            Some(spec) => spec.process(&mut self.ctx, &self.batch),
-            None => true,
-        };
-        if !spec_ok {
-            srv_log(Verbosity::Error, "update_slots", "failed to process speculative batch");
-            for id in 0..self.slots.len() {
-                if let Some(a) = self.release(id) {
-                    let _ = a.task.events.send(Event::Error(ApiError::server("failed to process speculative batch")));
-                    self.ctx.seq_rm(id as i32, -1, -1);
-                    if let Some(spec) = self.spec.as_mut() {
-                        spec.seq_rm(id as i32, -1, -1);
-                    }
-                    self.slots[id].cache.clear();
-                }
-            }
+        if !self.decode_batch() {
             return true;
         }
         if let Ok(mut m) = self.metrics.lock() {
@@ -1423,7 +1576,59 @@ impl<'m> Engine<'m> {
                 self.sample(id, i);
             }
         }
+        self.decode_replays();
         true
+    }
+
+    /// Decodes the batch in the target context and in the drafter's. On failure every
+    /// processing slot fails and its sequence is dropped, as in llama-server; returns false.
+    fn decode_batch(&mut self) -> bool {
+        let msg = match self.ctx.decode(&self.batch) {
+            Err(DecodeError::NoKvCacheSlot) => "Context size has been exceeded.",
+            Err(DecodeError::InvalidBatch) => "Invalid input batch.",
+            Err(DecodeError::Aborted) => "Decoding was aborted.",
+            Err(DecodeError::Fatal(_)) => "Compute error.",
+            // The draft model (or MTP head) sees every target batch, prompts included.
+            Ok(()) if self.spec.as_mut().is_none_or(|spec| spec.process(&mut self.ctx, &self.batch)) => return true,
+            Ok(()) => {
+                srv_log(Verbosity::Error, "update_slots", "failed to process speculative batch");
+                "failed to process speculative batch"
+            }
+        };
+        for id in 0..self.slots.len() {
+            if let Some(a) = self.release(id) {
+                let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
+                self.ctx.seq_rm(id as i32, -1, -1);
+                if let Some(spec) = self.spec.as_mut() {
+                    spec.seq_rm(id as i32, -1, -1);
+                }
+                self.slots[id].forget();
+            }
+        }
+        false
+    }
+
+    /// Decodes again, in one batch, the accepted draft tokens that checkpoint restores dropped.
+    fn decode_replays(&mut self) {
+        if self.replays.is_empty() {
+            return;
+        }
+        self.batch.clear();
+        let replays = std::mem::take(&mut self.replays);
+        for (id, tokens) in &replays {
+            let slot = &mut self.slots[*id];
+            for &t in tokens {
+                self.batch.add(t, slot.cache.len() as i32, &[*id as i32], false).expect("replays fit the batch they came from");
+                slot.cache.push(t);
+            }
+        }
+        if !self.decode_batch() {
+            // slots that finished with this batch hold no usable sequence either
+            for (id, _) in replays {
+                self.ctx.seq_rm(id as i32, -1, -1);
+                self.slots[id].forget();
+            }
+        }
     }
 
     /// Checks a slot's draft against the model's own samples: keeps the matching prefix, drops
@@ -1445,10 +1650,35 @@ impl<'m> Engine<'m> {
         }
         // The cache holds the sampled token and the whole draft; keep the accepted part.
         let keep = slot.cache.len() - draft.len() + n_accepted;
-        slot.cache.truncate(keep);
-        self.ctx.seq_rm(id as i32, keep as i32, -1);
-        if let Some(spec) = self.spec.as_mut() {
-            spec.seq_rm(id as i32, keep as i32, -1);
+        let n_rollback = draft.len() - n_accepted;
+        let too_far = match self.seq_rm {
+            SeqRm::WholeOnly => n_rollback > 0,
+            SeqRm::Bounded(n) => n_rollback > n,
+            _ => false,
+        };
+        let ckpt = a.spec_ckpt.take();
+        match ckpt.filter(|_| too_far) {
+            Some(c) => {
+                // back to the state before the draft; the accepted tokens are decoded again
+                // once every slot has read this batch's outputs
+                self.ctx.set_seq_state(id as i32, &c.tgt, StateScope::Partial);
+                self.ctx.seq_rm(id as i32, c.n_tokens as i32, -1);
+                if let Some(spec) = self.spec.as_mut() {
+                    if let Some(data) = &c.spec {
+                        spec.restore(id as i32, data);
+                    }
+                    spec.seq_rm(id as i32, c.n_tokens as i32, -1);
+                }
+                self.replays.push((id, slot.cache[c.n_tokens..keep].to_vec()));
+                slot.cache.truncate(c.n_tokens);
+            }
+            None => {
+                slot.cache.truncate(keep);
+                self.ctx.seq_rm(id as i32, keep as i32, -1);
+                if let Some(spec) = self.spec.as_mut() {
+                    spec.seq_rm(id as i32, keep as i32, -1);
+                }
+            }
         }
         for (k, &token) in accepted.iter().enumerate() {
             if !self.emit(id, token, idxs[k]) {
@@ -1460,6 +1690,12 @@ impl<'m> Engine<'m> {
     fn sample(&mut self, id: usize, i: i32) {
         let slot = &mut self.slots[id];
         let a = slot.active.as_mut().unwrap();
+        if a.t_gen.is_none() {
+            // the prompt is in the context now: drafters that follow the target start from it
+            if let Some(spec) = self.spec.as_mut() {
+                spec.begin(id as i32, &slot.cache);
+            }
+        }
         let token = a.sampler.sample(&mut self.ctx, i);
         a.sampler.accept(token, true);
         self.emit(id, token, i);

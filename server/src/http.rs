@@ -281,6 +281,19 @@ fn stop_strings(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
     }
 }
 
+/// The chat template's message delimiters (`[{role, delimiter}]`, which the chat endpoints add and
+/// any completion request may carry), tokenized: (starts a user message, tokens).
+fn message_delimiters(list: Option<&Value>, vocab: Vocab<'_>) -> Vec<(bool, Vec<Token>)> {
+    let Some(Value::Array(list)) = list else { return Vec::new() };
+    list.iter()
+        .filter_map(|d| {
+            let text = d.get("delimiter")?.as_str()?;
+            let tokens = vocab.tokenize(text, false, true).ok().filter(|t| !t.is_empty())?;
+            Some((d.get("role").and_then(Value::as_str) == Some("user"), tokens))
+        })
+        .collect()
+}
+
 /// The request's fields for one task. `vocab` resolves logit_bias entries given as text,
 /// `eog` (the model's end-of-generation tokens) is banned when ignore_eos is set, as upstream,
 /// and `n_keep_default` is the server's --keep.
@@ -310,6 +323,7 @@ pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[T
     }
     Ok(TaskParams {
         kind: crate::engine::TaskKind::Completion,
+        message_delimiters: vocab.map(|v| message_delimiters(body.get("message_delimiters"), v)).unwrap_or_default(),
         lora: match body.get("lora") {
             None | Some(Value::Null) => None,
             Some(Value::Array(entries)) => Some(lora_list(entries)),

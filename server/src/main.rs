@@ -2,6 +2,7 @@
 
 mod agent;
 mod anthropic;
+mod checkpoint;
 mod cors_proxy;
 mod embeddings;
 mod engine;
@@ -58,6 +59,12 @@ fn main() -> ExitCode {
     };
     if let Some(link) = child.as_ref().filter(|l| l.mode == router::ChildMode::Download) {
         return router::run_download(link, params);
+    }
+    if params.to_json().is_ok_and(|cfg| !router::is_router(&cfg)) {
+        if let Err(e) = strata_ffi::resolve_models(&mut params) {
+            eprintln!("strata-server: error: failed to download model: {e}");
+            return ExitCode::from(1);
+        }
     }
     params.apply_server_defaults();
     match serve(params, strata_args, &llama_args, child) {
@@ -120,6 +127,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
             ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
             cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,
             cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
+            n_ctx_checkpoints: cfg["n_ctx_checkpoints"].as_u64().unwrap_or(0) as usize,
+            checkpoint_min_step: cfg["checkpoint_min_step"].as_u64().unwrap_or(0) as usize,
+            swa_full: cfg["swa_full"].as_bool().unwrap_or(false),
             slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
             speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
             n_cache_reuse: cfg["n_cache_reuse"].as_i64().unwrap_or(0) as i32,

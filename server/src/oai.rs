@@ -305,6 +305,7 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
     task_body.insert("grammar_lazy".into(), applied["grammar_lazy"].clone());
     task_body.insert("grammar_triggers".into(), applied["grammar_triggers"].clone());
     task_body.insert("generation_prompt".into(), applied["generation_prompt"].clone());
+    task_body.insert("message_delimiters".into(), applied["message_delimiters"].clone());
     let mut stops: Vec<Value> = task_body.get("stop").and_then(Value::as_array).cloned().unwrap_or_default();
     stops.extend(applied["additional_stops"].as_array().cloned().unwrap_or_default());
     task_body.insert("stop".into(), Value::Array(stops));

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 
 use strata_ffi::{Token, Verbosity};
 
+use crate::checkpoint::Checkpoint;
 use crate::engine::common_prefix;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -18,6 +19,14 @@ const MIB: f64 = 1024.0 * 1024.0;
 pub struct Entry {
     pub tokens: Vec<Token>,
     pub state: Vec<u8>,
+    /// The slot's context checkpoints of `tokens`.
+    pub checkpoints: Vec<Checkpoint>,
+}
+
+impl Entry {
+    fn size(&self) -> usize {
+        self.state.len() + self.checkpoints.iter().map(Checkpoint::size).sum::<usize>()
+    }
 }
 
 pub struct PromptCache {
@@ -41,7 +50,7 @@ impl PromptCache {
     }
 
     pub fn size(&self) -> usize {
-        self.entries.iter().map(|e| e.state.len()).sum()
+        self.entries.iter().map(Entry::size).sum()
     }
 
     pub fn n_tokens(&self) -> usize {
@@ -53,9 +62,16 @@ impl PromptCache {
         self.entries.len()
     }
 
-    /// Stores `tokens` with the state `read` returns (`state_size` bytes). Returns false, storing
-    /// nothing, when the prompt is empty or already covered, too large, or the copy failed.
-    pub fn save(&mut self, tokens: &[Token], state_size: usize, read: impl FnOnce() -> Option<Vec<u8>>) -> bool {
+    /// Stores `tokens` with the state `read` returns (`state_size` bytes) and the checkpoints
+    /// `checkpoints` returns. Returns false, storing nothing, when the prompt is empty or
+    /// already covered, too large, or the copy failed.
+    pub fn save(
+        &mut self,
+        tokens: &[Token],
+        state_size: usize,
+        read: impl FnOnce() -> Option<Vec<u8>>,
+        checkpoints: impl FnOnce() -> Vec<Checkpoint>,
+    ) -> bool {
         if tokens.is_empty() {
             return false;
         }
@@ -93,7 +109,7 @@ impl PromptCache {
             self.update();
             return false;
         };
-        self.entries.push_back(Entry { tokens: tokens.to_vec(), state });
+        self.entries.push_back(Entry { tokens: tokens.to_vec(), state, checkpoints: checkpoints() });
         true
     }
 
@@ -169,7 +185,7 @@ impl PromptCache {
 
     fn pop_oldest(&mut self, why: &str) {
         if let Some(e) = self.entries.pop_front() {
-            srv_log(Verbosity::Warn, "update", &format!(" - {why} (size = {:.3} MiB)", e.state.len() as f64 / MIB));
+            srv_log(Verbosity::Warn, "update", &format!(" - {why} (size = {:.3} MiB)", e.size() as f64 / MIB));
         }
     }
 }
@@ -185,22 +201,22 @@ mod tests {
     #[test]
     fn covered_prompts_are_skipped_and_obsolete_entries_replaced() {
         let mut c = PromptCache::new(-1, 0);
-        assert!(c.save(&[1, 2, 3], 10, state(10)));
-        assert!(!c.save(&[1, 2], 10, state(10)), "a prefix of an entry is already cached");
-        assert!(c.save(&[1, 2, 3, 4], 12, state(12)));
+        assert!(c.save(&[1, 2, 3], 10, state(10), Vec::new));
+        assert!(!c.save(&[1, 2], 10, state(10), Vec::new), "a prefix of an entry is already cached");
+        assert!(c.save(&[1, 2, 3, 4], 12, state(12), Vec::new));
         assert_eq!(c.len(), 1, "the shorter entry the new one covers is dropped");
         assert_eq!(c.size(), 12);
-        assert!(!c.save(&[], 1, state(1)));
+        assert!(!c.save(&[], 1, state(1), Vec::new));
     }
 
     #[test]
     fn byte_limit_evicts_oldest_and_refuses_oversized() {
         let mib = 1024 * 1024;
         let mut c = PromptCache::new(2, 0);
-        assert!(!c.save(&[9], 3 * mib, state(3 * mib)), "larger than the whole cache");
-        assert!(c.save(&[1], mib, state(mib)));
-        assert!(c.save(&[2], mib, state(mib)));
-        assert!(c.save(&[3], mib, state(mib)));
+        assert!(!c.save(&[9], 3 * mib, state(3 * mib), Vec::new), "larger than the whole cache");
+        assert!(c.save(&[1], mib, state(mib), Vec::new));
+        assert!(c.save(&[2], mib, state(mib), Vec::new));
+        assert!(c.save(&[3], mib, state(mib), Vec::new));
         assert_eq!(c.len(), 2);
         assert!(c.take_best(&[], &[1]).is_none(), "the oldest entry was evicted");
         assert!(c.take_best(&[], &[3]).is_some());
@@ -209,23 +225,23 @@ mod tests {
     #[test]
     fn take_best_prefers_more_kept_and_more_similar() {
         let mut c = PromptCache::new(-1, 0);
-        c.save(&[1, 2, 3, 4, 5, 6, 7, 8], 8, state(8));
-        c.save(&[1, 2, 9, 9], 4, state(4));
+        c.save(&[1, 2, 3, 4, 5, 6, 7, 8], 8, state(8), Vec::new);
+        c.save(&[1, 2, 9, 9], 4, state(4), Vec::new);
         // a slot that would keep all of its tokens is not replaced, even by a longer match
         assert!(c.take_best(&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 4, 5, 6, 7, 8]).is_none());
         assert!(c.take_best(&[1, 2, 3, 4, 5, 6, 0], &[1, 2, 3, 4, 5, 6, 7, 8]).is_some());
         let e = c.take_best(&[], &[1, 2, 9, 9, 5]).expect("an empty slot takes any useful entry");
         assert_eq!(e.tokens, vec![1, 2, 9, 9]);
         assert_eq!(c.len(), 0);
-        c.save(&[5, 6, 7, 8], 4, state(4));
+        c.save(&[5, 6, 7, 8], 4, state(4), Vec::new);
         assert!(c.take_best(&[], &[1, 2]).is_none(), "an entry keeping under a quarter is never used");
     }
 
     #[test]
     fn failed_copy_shrinks_the_limit() {
         let mut c = PromptCache::new(-1, 0);
-        c.save(&[1], 100, state(100));
-        assert!(!c.save(&[2], 100, || None));
+        c.save(&[1], 100, state(100), Vec::new);
+        assert!(!c.save(&[2], 100, || None, Vec::new));
         assert_eq!(c.limit_size, 40);
         assert_eq!(c.len(), 0, "the shrunken limit evicts what no longer fits");
     }
@@ -233,13 +249,13 @@ mod tests {
     #[test]
     fn token_limit_grows_with_the_byte_limit() {
         let mut c = PromptCache::new(-1, 4);
-        c.save(&[1, 2, 3], 3, state(3));
-        c.save(&[4, 5, 6], 3, state(3));
+        c.save(&[1, 2, 3], 3, state(3), Vec::new);
+        c.save(&[4, 5, 6], 3, state(3), Vec::new);
         c.update();
         assert_eq!(c.len(), 1, "no byte limit: the token limit is the context size");
         let mut c = PromptCache::new(1, 4);
-        c.save(&[1, 2, 3], 3, state(3));
-        c.save(&[4, 5, 6], 3, state(3));
+        c.save(&[1, 2, 3], 3, state(3), Vec::new);
+        c.save(&[4, 5, 6], 3, state(3), Vec::new);
         c.update();
         assert_eq!(c.len(), 2, "1 MiB at 1 byte per token allows far more than 4 tokens");
     }

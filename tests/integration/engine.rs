@@ -198,8 +198,9 @@ fn lora_scales_global_and_per_request() {
     assert_eq!(server.post("/lora-adapters", &json!({"id": 0})).0, 400);
 }
 
-/// Gemma 3 has sliding-window attention: until context checkpoints exist, its prompts are
-/// reprocessed, and a repeated request gives the same tokens.
+/// Gemma 3 has sliding-window attention: a cached prefix is usable while the window before its
+/// end is still in the cache, else from a context checkpoint, else the prompt is processed
+/// again; each way gives the tokens of a fresh prompt.
 #[test]
 fn a_sliding_window_model_reuses_only_what_its_window_still_holds() {
     let server = gemma(&["-np", "1", "-c", "4096", "--cache-ram", "0"]);
@@ -207,7 +208,9 @@ fn a_sliding_window_model_reuses_only_what_its_window_still_holds() {
     let (_, first) = server.post("/completion", &req);
     let (_, second) = server.post("/completion", &req);
     let n_prompt = first["tokens_evaluated"].as_u64().unwrap();
-    assert_eq!(second["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 1, "a short prompt is inside the window");
+    // as llama-server: a repeated prompt resumes from the checkpoint before its last 4 tokens,
+    // which it trusts up to the position before that checkpoint's end
+    assert_eq!(second["timings"]["cache_n"].as_u64().unwrap(), n_prompt - 5);
     assert_eq!(first["tokens"], second["tokens"]);
 
     // far past Gemma 3's 512-token window: a prefix that ends long before the cache does has
@@ -227,6 +230,20 @@ fn a_sliding_window_model_reuses_only_what_its_window_still_holds() {
     let fresh = gemma(&["-np", "1", "-c", "4096", "--cache-ram", "0"]);
     let (_, want) = fresh.post("/completion", &greedy(&format!("{head} Something else."), 4));
     assert_eq!(cut["tokens"], want["tokens"]);
+
+    // a prefix ending just past the checkpoint taken 4 + n_ubatch tokens before the end of the
+    // prompt: the window has moved on, the checkpoint still holds it
+    server.post("/completion", &greedy(&long, 4));
+    let (_, toks) = server.post("/tokenize", &json!({"content": long, "add_special": true}));
+    let toks = toks["tokens"].as_array().unwrap();
+    let n_ckpt = toks.len() - 4 - 512;
+    let mut branch: Vec<Value> = toks[..n_ckpt + 2].to_vec();
+    branch.extend([json!(1437), json!(603), json!(1037)]);
+    let req = json!({"prompt": branch, "n_predict": 4, "temperature": 0, "return_tokens": true});
+    let (_, restored) = server.post("/completion", &req);
+    assert_eq!(restored["timings"]["cache_n"], n_ckpt - 1, "{}", restored["timings"]);
+    let (_, want) = fresh.post("/completion", &req);
+    assert_eq!(restored["tokens"], want["tokens"]);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! loopback. Models come from tools/setup (.cache/models); nothing here needs a network or GPU.
 
 mod chat;
+mod checkpoints;
 mod engine;
 mod cli;
 mod fetch;
