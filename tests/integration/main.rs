@@ -14,3 +14,4 @@ mod rpc;
 mod stress;
 mod support;
 mod tokenizer;
+mod ui;
