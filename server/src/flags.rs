@@ -10,12 +10,15 @@ pub enum Kind {
     Value(&'static str),
 }
 
+/// Rewrites an alias flag's value into llama-server arguments.
+pub type MapFn = fn(&str) -> Result<Vec<String>, String>;
+
 pub struct Flag {
     pub name: &'static str,
     pub kind: Kind,
     pub help: &'static str,
     /// The llama-server arguments this flag stands for, if it is an alias.
-    pub maps_to: Option<fn(&str) -> Result<Vec<String>, String>>,
+    pub maps_to: Option<MapFn>,
 }
 
 pub struct EnvVar {

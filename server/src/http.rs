@@ -112,6 +112,7 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
     };
     routes
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(crate::ui::Ui::new(&app.info), crate::ui::serve))
         .layer(axum::middleware::from_fn_with_state(Gate { info: app.info.clone(), engine: Some(app.engine.clone()) }, gate))
         .layer(axum::middleware::map_response(server_header))
 }
@@ -127,7 +128,7 @@ const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
 
 /// llama-server matches its public paths literally, so under --api-prefix they need a key too.
 fn is_public(path: &str) -> bool {
-    PUBLIC_PATHS.contains(&path)
+    PUBLIC_PATHS.contains(&path) || crate::ui::is_frontend_path(path)
 }
 
 fn header<'a>(req: &'a Request, name: &str) -> &'a str {
@@ -165,7 +166,7 @@ pub async fn gate(AxState(g): AxState<Gate>, req: Request, next: Next) -> Respon
             }
         }
         r
-    } else if g.engine.as_ref().is_some_and(|e| e.state() != State::Ready) {
+    } else if g.engine.as_ref().is_some_and(|e| e.state() != State::Ready) && !crate::ui::is_frontend_path(req.uri().path()) {
         middleware_error(StatusCode::SERVICE_UNAVAILABLE, "Loading model", "unavailable_error")
     } else if !info.api_keys.is_empty() && !is_public(req.uri().path()) && !api_key_ok(&req, &info.api_keys) {
         middleware_error(StatusCode::UNAUTHORIZED, "Invalid API Key", "authentication_error")
@@ -188,9 +189,17 @@ fn api_key_ok(req: &Request, keys: &[String]) -> bool {
     keys.iter().any(|k| k == key)
 }
 
+/// Marks an answer whose Content-Type goes out as set: a file, not JSON that Strata wrote.
+#[derive(Clone, Copy)]
+pub struct Verbatim;
+
 /// What llama-server's HTTP layer does to every answer: its Server header, UTF-8 JSON, unbuffered
 /// event streams, and one body for every 404.
 pub async fn server_header(mut res: Response) -> Response {
+    if res.extensions().get::<Verbatim>().is_some() {
+        res.headers_mut().insert("server", HeaderValue::from_static("llama.cpp"));
+        return res;
+    }
     const NOT_FOUND_BODY: &str = r#"{"error":{"message":"File Not Found","type":"not_found_error","code":404}}"#;
     if res.status() == StatusCode::NOT_FOUND {
         let headers = std::mem::take(res.headers_mut());
@@ -1062,6 +1071,20 @@ mod tests {
         assert_eq!(s, StatusCode::NOT_FOUND, "a valid key passes the gate");
         let (s, _, _) = call_with(app(), get("/nope", Some(("x-api-key", "sk-secret")))).await;
         assert_eq!(s, StatusCode::NOT_FOUND, "the Anthropic header works too");
+    }
+
+    #[tokio::test]
+    async fn ui_paths_need_no_key_and_load_while_the_model_does() {
+        let info = ServerInfo { api_keys: vec!["sk-secret".into()], ui: true, ..Default::default() };
+        let get = |uri: &str| Request::builder().uri(uri).body(Body::empty()).unwrap();
+        for state in [State::Loading, State::Ready] {
+            let (s, _, _) = call_with(router(engine(state.clone()), info.clone(), None), get("/")).await;
+            assert!(s != StatusCode::UNAUTHORIZED && s != StatusCode::SERVICE_UNAVAILABLE, "{s}");
+        }
+        let (s, _, _) = call_with(router(engine(State::Loading), info.clone(), None), get("/models")).await;
+        assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+        let (s, _, _) = call_with(router(engine(State::Ready), info, None), get("/models")).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED);
     }
 
     #[tokio::test]

@@ -23,6 +23,8 @@ pub struct ServerInfo {
     pub endpoint_props: bool,
     pub endpoint_metrics: bool,
     pub ui: bool,
+    /// --path: a directory served instead of the built-in UI.
+    pub public_path: String,
     pub sampling: Value,
     pub use_jinja: bool,
     pub chat_template: String,
@@ -73,6 +75,7 @@ impl ServerInfo {
             endpoint_props: b("endpoint_props"),
             endpoint_metrics: b("endpoint_metrics"),
             ui: b("ui"),
+            public_path: s("public_path"),
             sampling: cfg["sampling"].clone(),
             use_jinja: b("use_jinja"),
             chat_template: s("chat_template"),

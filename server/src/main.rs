@@ -22,6 +22,7 @@ mod router;
 mod streams;
 mod tools;
 mod tools_http;
+mod ui;
 
 use std::ffi::{c_char, c_int};
 use std::io::Write;
@@ -109,6 +110,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
 
     let tools = tools::Tools::from_params(&cfg).context("tools setup failed")?;
     let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
+    ui::check(&info)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let mut listeners = Vec::new();

@@ -15,3 +15,4 @@ mod rpc;
 mod stress;
 mod support;
 mod tokenizer;
+mod ui;

@@ -56,7 +56,7 @@ fn responses_whole_and_streamed() {
     let deltas = names.iter().filter(|n| **n == "response.output_text.delta").count();
     assert!(deltas > 0, "{names:?}");
     let mut expected = vec!["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"];
-    expected.extend(std::iter::repeat("response.output_text.delta").take(deltas));
+    expected.extend(std::iter::repeat_n("response.output_text.delta", deltas));
     expected.extend(["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]);
     assert_eq!(names, expected);
 

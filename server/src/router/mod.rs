@@ -119,6 +119,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         "cors_proxy_enabled": cfg["ui_mcp_proxy"].as_bool().unwrap_or(false),
     });
     let info = ServerInfo::from_params(cfg, String::new(), 0);
+    crate::ui::check(&info)?;
     if info.cors_origins == "*" && info.api_keys.is_empty() {
         eprintln!("srv router: security: no API key is set and CORS allows all origins");
     }
@@ -178,6 +179,7 @@ fn routes(app: RouterApp, info: ServerInfo, extra: Router) -> Router {
     let prefix = info.api_prefix.clone();
     let r = if prefix.is_empty() { r } else { Router::new().nest(&prefix, r) };
     r.fallback(http::not_found)
+        .layer(axum::middleware::from_fn_with_state(crate::ui::Ui::new(&info), crate::ui::serve))
         .layer(axum::middleware::from_fn_with_state(Gate { info: Arc::new(info), engine: None }, http::gate))
         .layer(axum::middleware::map_response(http::server_header))
 }
