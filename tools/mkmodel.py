@@ -4,7 +4,8 @@
     python3 tools/mkmodel.py ARCH --out FILE [--seed N] [--layers N] [--embd N]
         [--experts N] [--experts-used K] [--expert-ffn N] [--router-skew S]
         [--quant TYPE] [--quant-rest TYPE] [--shape NAME] [--vocab NAME] [--dry-run]
-        [--lora-rank R [--lora-alpha A] [--lora-targets T,...] [--lora-type f32|f16] [--lora-gain G]]
+        [--lora-rank R [--lora-alpha A] [--lora-targets T,...] [--lora-type f32|f16] [--lora-gain G]
+         [--alora-tokens T,...]]
 
 ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp,
 bert, bert-rerank).
@@ -999,6 +1000,11 @@ def plan_lora(m: Model, args: argparse.Namespace, hp: dict) -> tuple[Model, list
         pack_kv(gguf.Keys.Adapter.TYPE, VT.STRING, "lora"),
         pack_kv(gguf.Keys.Adapter.LORA_ALPHA, VT.FLOAT32, alpha),
     ]
+    if args.alora_tokens:
+        tokens = [int(t) for t in args.alora_tokens.split(",") if t]
+        if not tokens or min(tokens) < 0:
+            raise SystemExit("--alora-tokens needs token ids >= 0")
+        blobs.append(pack_kv("adapter.alora.invocation_tokens", VT.ARRAY, (VT.UINT32, tokens)))
     return lora, blobs, hp
 
 
@@ -1028,6 +1034,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-type", choices=["f32", "f16"], default="f32", help="type of lora_a / lora_b")
     ap.add_argument("--lora-gain", type=float, default=1.0,
                     help="std of the scale-1 weight delta relative to the base matrix's (default 1)")
+    ap.add_argument("--alora-tokens", default="",
+                    help="comma-separated token ids: an activated LoRA (aLoRA) invoked by them "
+                         "(adapter.alora.invocation_tokens)")
     ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))
     args = ap.parse_args(argv)
     if args.out is None and not args.dry_run:

@@ -36,6 +36,22 @@ impl<'m> LoraAdapter<'m> {
     }
 }
 
+impl LoraAdapter<'_> {
+    /// The tokens that invoke an activated LoRA (aLoRA); empty for a plain adapter.
+    pub fn alora_invocation_tokens(&self) -> Vec<crate::model::Token> {
+        // SAFETY: valid adapter; the array it returns holds the count it reports and lives as
+        // long as the adapter.
+        unsafe {
+            let n = sys::llama_adapter_get_alora_n_invocation_tokens(self.ptr.as_ptr()) as usize;
+            let p = sys::llama_adapter_get_alora_invocation_tokens(self.ptr.as_ptr());
+            if n == 0 || p.is_null() {
+                return Vec::new();
+            }
+            std::slice::from_raw_parts(p, n).to_vec()
+        }
+    }
+}
+
 impl Drop for LoraAdapter<'_> {
     fn drop(&mut self) {
         // SAFETY: we own the adapter and free it once, while its model is alive ('m).

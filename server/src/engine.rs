@@ -50,6 +50,9 @@ pub struct LoraInfo {
     pub scale: f32,
     pub task_name: String,
     pub prompt_prefix: String,
+    /// An activated LoRA's invocation tokens (empty for a plain adapter) and their text.
+    pub alora_tokens: Vec<Token>,
+    pub alora_string: String,
 }
 
 #[derive(Debug, Clone)]
@@ -424,6 +427,12 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
                     scale: *scale,
                     task_name: a.meta("adapter.lora.task_name"),
                     prompt_prefix: a.meta("adapter.lora.prompt_prefix"),
+                    alora_string: a
+                        .alora_invocation_tokens()
+                        .iter()
+                        .map(|&t| String::from_utf8_lossy(&model.vocab().token_to_piece(t, true)).into_owned())
+                        .collect(),
+                    alora_tokens: a.alora_invocation_tokens(),
                 });
                 adapters.push(a);
             }
@@ -530,6 +539,12 @@ pub fn normalize_embedding(v: &[f32], norm: i32) -> Vec<f32> {
     };
     let scale = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
     v.iter().map(|&x| x * scale).collect()
+}
+
+/// Whether the enabled adapters (non-zero scale) are all aLoRAs, and there is one.
+fn all_alora(invocations: &[Vec<Token>], scales: &[f32]) -> bool {
+    let mut enabled = scales.iter().zip(invocations).filter(|(&s, _)| s != 0.0).peekable();
+    enabled.peek().is_some() && enabled.all(|(_, inv)| !inv.is_empty())
 }
 
 /// Where user messages start in `prompt`: at each position the first delimiter that matches
@@ -671,6 +686,9 @@ struct Active {
     spec_ckpt: Option<Checkpoint>,
     /// Prompt positions where a user message starts (ascending).
     user_starts: Vec<usize>,
+    /// The active aLoRA and where its invocation starts in the prompt: the prompt before it is
+    /// decoded without the adapter, so that it matches a plain prompt's cache.
+    alora: Option<(usize, usize)>,
 }
 
 impl Active {
@@ -699,6 +717,7 @@ impl Active {
             n_draft_steps: 0,
             spec_ckpt: None,
             user_starts: Vec::new(),
+            alora: None,
         }
     }
 
@@ -753,6 +772,9 @@ struct Slot {
     active: Option<Active>,
     /// Context checkpoints of `cache`, oldest first.
     checkpoints: Vec<Checkpoint>,
+    /// The first position of `cache` decoded with `lora` (an aLoRA's starts before its
+    /// invocation; earlier ones had no adapter).
+    adapter_from: usize,
 }
 
 impl Slot {
@@ -785,6 +807,8 @@ struct Engine<'m> {
     adapters: &'m [LoraAdapter<'m>],
     /// The adapter scales the context decodes with now.
     applied_lora: Vec<f32>,
+    /// Each adapter's aLoRA invocation tokens (empty for plain adapters).
+    alora_tokens: Vec<Vec<Token>>,
     /// How far the context can cut a sequence back.
     seq_rm: SeqRm,
     /// The same for the drafter's context.
@@ -854,7 +878,7 @@ impl<'m> Engine<'m> {
         }
         let now = Instant::now();
         let slots = (0..n_parallel)
-            .map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None, checkpoints: Vec::new() })
+            .map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None, checkpoints: Vec::new(), adapter_from: 0 })
             .collect();
         let draft_ctx = spec.as_ref().is_some_and(Speculative::has_context);
         let prompt_cache = match cfg.cache_ram_mib {
@@ -928,6 +952,7 @@ impl<'m> Engine<'m> {
             n_cache_reuse,
             adapters,
             applied_lora: Vec::new(),
+            alora_tokens: adapters.iter().map(LoraAdapter::alora_invocation_tokens).collect(),
             seq_rm,
             draft_seq_rm,
             n_swa,
@@ -1128,11 +1153,27 @@ impl<'m> Engine<'m> {
                 return;
             }
         };
-        let lora = self.lora_scales(&task.params.lora);
+        let mut lora = self.lora_scales(&task.params.lora);
+        let requested = lora.clone();
+        let alora = match self.alora_start(&mut lora, &task.prompt, id, task.id) {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = task.events.send(Event::Error(e));
+                return;
+            }
+        };
         let slot = &mut self.slots[id];
+        // how much of the cache an aLoRA task may keep after other scales made it
+        let mut adapter_cap = usize::MAX;
         if slot.lora != lora {
-            // the cached KV was computed with other adapter scales
-            if !slot.cache.is_empty() {
+            // the cached KV was computed with other adapter scales; a cache made without adapters,
+            // or before an aLoRA's invocation, serves an aLoRA request up to its own invocation
+            let slot_alora = all_alora(&self.alora_tokens, &slot.lora);
+            let keep_for_alora = (slot.lora.iter().all(|&s| s == 0.0) || slot_alora) && all_alora(&self.alora_tokens, &requested);
+            if slot_alora {
+                adapter_cap = slot.adapter_from;
+            }
+            if !slot.cache.is_empty() && !keep_for_alora {
                 self.ctx.seq_rm(id as i32, -1, -1);
                 if let Some(spec) = self.spec.as_mut() {
                     spec.seq_rm(id as i32, -1, -1);
@@ -1143,7 +1184,12 @@ impl<'m> Engine<'m> {
         }
         let reusable = task.params.cache_prompt && !slot.draft_stale;
         slot.draft_stale = false;
-        let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 };
+        let mut keep = if reusable { common_prefix(&slot.cache, &task.prompt) } else { 0 }.min(adapter_cap);
+        // the token before an aLoRA's invocation is decoded with the adapter
+        slot.adapter_from = alora.map_or(0, |(_, start)| start.saturating_sub(1));
+        if alora.is_some() {
+            keep = keep.min(slot.adapter_from);
+        }
         let n_cache_reuse = if task.params.n_cache_reuse < 0 { self.n_cache_reuse } else { task.params.n_cache_reuse };
         if reusable && n_cache_reuse > 0 {
             if self.ctx.can_shift() {
@@ -1212,10 +1258,35 @@ impl<'m> Engine<'m> {
         let starts = if self.checkpoints.is_some() { user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
         let mut active = Active::new(task, sampler, n_predict_max, keep, lora);
         active.user_starts = starts;
+        active.alora = alora;
         slot.active = Some(active);
         let a = slot.active.as_ref().expect("just started");
         if !a.send_progress(id, keep) {
             self.release(id);
+        }
+    }
+
+    /// Where an aLoRA request's adapter starts: the last occurrence of its invocation tokens in
+    /// the prompt. One without them runs without the adapter (its scale set to 0).
+    fn alora_start(&self, lora: &mut [f32], prompt: &[Token], id: usize, task: u64) -> Result<Option<(usize, usize)>, ApiError> {
+        if !all_alora(&self.alora_tokens, lora) {
+            return Ok(None);
+        }
+        let enabled: Vec<usize> = (0..lora.len()).filter(|&i| lora[i] != 0.0).collect();
+        let [i] = enabled[..] else {
+            return Err(ApiError::invalid("Cannot run multiple aLoRAs in a single request"));
+        };
+        let invocation = &self.alora_tokens[i];
+        match prompt.windows(invocation.len()).rposition(|w| w == invocation.as_slice()) {
+            Some(start) => {
+                slot_log_at(Verbosity::Debug, "launch_slot_", id, task as i64, &format!("alora {i} activated starting at {start}"));
+                Ok(Some((i, start)))
+            }
+            None => {
+                slot_log_at(Verbosity::Debug, "launch_slot_", id, task as i64, &format!("alora {i} requested, but not found. deactivating"));
+                lora[i] = 0.0;
+                Ok(None)
+            }
         }
     }
 
@@ -1497,11 +1568,19 @@ impl<'m> Engine<'m> {
                 }
                 continue;
             }
+            // an aLoRA's uncached prompt before its invocation goes without the adapter
+            let mut scales = a.lora.clone();
+            let mut n_end = n_prompt;
+            if let Some((i, start)) = a.alora.filter(|&(_, start)| start > slot.cache.len() + 1) {
+                scales[i] = 0.0;
+                n_end = start - 1;
+            }
+            let lora_ok = batch_lora.as_ref().is_none_or(|l| *l == scales);
             a.prompt_in_batch = lora_ok && a.t_gen.is_none() && slot.cache.len() < n_prompt && self.batch.len() < capacity;
             if !a.prompt_in_batch {
                 continue;
             }
-            batch_lora.get_or_insert_with(|| a.lora.clone());
+            batch_lora.get_or_insert(scales);
             let n_start = slot.cache.len();
             // The last 4 + n_ubatch and the last 4 tokens start batches of their own, so that
             // checkpoints can be taken just before them.
@@ -1510,7 +1589,7 @@ impl<'m> Engine<'m> {
             let last_user = a.user_starts.last().copied();
             let min_step = self.checkpoints.map_or(0, |p| p.min_step);
             let spaced = |list: &[Checkpoint], pos: usize| list.last().is_none_or(|c| pos > c.n_tokens + min_step);
-            while slot.cache.len() < n_prompt && self.batch.len() < capacity {
+            while slot.cache.len() < n_end && self.batch.len() < capacity {
                 let pos = slot.cache.len();
                 let t = a.task.prompt[pos];
                 let last = pos + 1 == n_prompt;

@@ -238,7 +238,12 @@ async fn lora_adapters(AxState(app): AxState<App>) -> Json<Value> {
         list.iter()
             .enumerate()
             .map(|(id, a)| {
-                json!({"id": id, "path": a.path, "scale": a.scale, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix})
+                let mut entry = json!({"id": id, "path": a.path, "scale": a.scale, "task_name": a.task_name, "prompt_prefix": a.prompt_prefix});
+                if !a.alora_tokens.is_empty() {
+                    entry["alora_invocation_string"] = json!(a.alora_string);
+                    entry["alora_invocation_tokens"] = json!(a.alora_tokens);
+                }
+                entry
             })
             .collect(),
     ))

@@ -198,6 +198,42 @@ fn lora_scales_global_and_per_request() {
     assert_eq!(server.post("/lora-adapters", &json!({"id": 0})).0, 400);
 }
 
+/// An activated LoRA (aLoRA) applies from the last occurrence of its invocation tokens on: a
+/// prompt without them runs on the base model, the prompt before them is decoded without the
+/// adapter (so a plain prompt's cache serves it), and only one aLoRA runs per request.
+#[test]
+fn alora_applies_from_its_invocation_on() {
+    let m = model("tiny-llama.gguf");
+    let alora = model("tiny-llama-alora.gguf");
+    let server = Server::start(&["-m", m.to_str().unwrap(), "-np", "1", "--lora", alora.to_str().unwrap(), "--lora", alora.to_str().unwrap()], &[]);
+    let (_, list) = server.get("/lora-adapters");
+    assert_eq!(list[0]["alora_invocation_tokens"], json!([2538, 2818, 1286, 29901]), "{list}");
+    assert_eq!(list[0]["alora_invocation_string"], " Respond now:");
+    let req = |prompt: &str, scales: [f64; 2], cache: bool| {
+        json!({"prompt": prompt, "n_predict": 8, "temperature": 0, "return_tokens": true, "cache_prompt": cache,
+               "lora": [{"id": 0, "scale": scales[0]}, {"id": 1, "scale": scales[1]}]})
+    };
+    let head = "Once upon a time there was a little girl who lived in a village near the forest.";
+    let invoked = format!("{head} Respond now:");
+
+    let (_, base) = server.post("/completion", &req(head, [0.0, 0.0], false));
+    let (_, absent) = server.post("/completion", &req(head, [1.0, 0.0], false));
+    assert_eq!(absent["tokens"], base["tokens"], "without its invocation the aLoRA is off");
+
+    let (_, fresh) = server.post("/completion", &req(&invoked, [1.0, 0.0], false));
+    let (_, plain) = server.post("/completion", &req(&invoked, [0.0, 0.0], false));
+    assert_ne!(fresh["tokens"], plain["tokens"], "the invoked adapter changes greedy output");
+
+    server.post("/completion", &req(head, [0.0, 0.0], true));
+    let (_, reused) = server.post("/completion", &req(&invoked, [1.0, 0.0], true));
+    assert!(reused["timings"]["cache_n"].as_u64().unwrap() > 0, "the plain prompt's cache serves the aLoRA: {}", reused["timings"]);
+    assert_eq!(reused["tokens"], fresh["tokens"]);
+
+    let (status, err) = server.post("/completion", &req(&invoked, [1.0, 1.0], true));
+    assert_eq!(status, 400, "{err}");
+    assert_eq!(err["error"]["message"], "Cannot run multiple aLoRAs in a single request");
+}
+
 /// Gemma 3 has sliding-window attention: a cached prefix is usable while the window before its
 /// end is still in the cache, else from a context checkpoint, else the prompt is processed
 /// again; each way gives the tokens of a fresh prompt.
