@@ -1,0 +1,113 @@
+"""tools/hip/bench_prefill.py in --quick mode against real servers on loopback: strata-server and,
+unchanged, upstream llama-server from the same pin; then --compare on the two runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
+STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
+MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(binary: Path, log: Path):
+    for p in (binary, MODEL):
+        if not p.exists():
+            pytest.fail(f"{p} is missing: run tools/setup and tools/build-upstream")
+    port = free_port()
+    f = open(log, "wb", buffering=0)
+    proc = subprocess.Popen([str(binary), "-m", str(MODEL), "--port", str(port), "-c", "4096", "-np", "1"],
+                            stdout=subprocess.DEVNULL, stderr=f)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health") as r:
+                if json.load(r).get("status") == "ok":
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"{binary} did not become ready")
+        time.sleep(0.2)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    tmp = tmp_path_factory.mktemp("bench")
+    (tmp / "empty.log").write_bytes(b"")
+    for label, binary in (("control", UPSTREAM), ("candidate", STRATA)):
+        log = tmp / f"{label}.log"
+        proc, url = serve(binary, log)
+        try:
+            res = bench("--model", "tiny", "--url", url, "--engine-log", str(log), "--label", label,
+                        "--output", str(tmp / f"{label}.json"), "--quick")
+            assert res.returncode == 0, res.stderr
+            out[label] = tmp / f"{label}.json"
+            bad = bench("--model", "tiny", "--url", url, "--engine-log", str(tmp / "empty.log"), "--label", label,
+                        "--output", str(tmp / "bad.json"), "--quick")
+            out[label + "-bad"] = bad
+        finally:
+            proc.terminate()
+            proc.wait()
+    return out
+
+
+def test_a_run_records_every_request_on_both_servers(runs):
+    by_label = {label: json.loads(runs[label].read_text()) for label in ("control", "candidate")}
+    for label, run in by_label.items():
+        kinds = [r["kind"] for r in run["requests"]]
+        assert kinds == ["warmup"] + ["fresh", "follow-up"] * 4, label
+        for r in run["requests"]:
+            assert r["predicted_n"] == 16 and r["stop_reason"] == "length", (label, r)
+            assert r["prefill_tps"] > 0 and r["decode_tps"] > 0 and r["wall_s"] > 0
+            assert r["engine_log"]["prompt_n"] == r["prompt_n"]
+            if r["kind"] == "follow-up":
+                assert r["cache_n"] > 0, (label, r)
+            else:
+                assert r["cache_n"] == 0, (label, r)
+        sizes = [r["prompt_n"] for r in run["requests"] if r["kind"] == "fresh"]
+        assert sizes[1] > 1.6 * sizes[0] and sizes[3] > 1.6 * sizes[2], sizes
+    # the same prompts through the same template and tokenizer
+    assert [r["prompt_n"] for r in by_label["control"]["requests"] if r["kind"] == "fresh"] == \
+           [r["prompt_n"] for r in by_label["candidate"]["requests"] if r["kind"] == "fresh"]
+
+
+def test_a_log_without_timing_records_fails_the_run(runs, tmp_path):
+    for label in ("control", "candidate"):
+        bad = runs[label + "-bad"]
+        assert bad.returncode != 0
+        assert "added 0 completed timing records" in bad.stderr, bad.stderr
+
+
+def test_compare_prints_the_table_and_a_chart(runs, tmp_path):
+    chart = tmp_path / "chart.png"
+    res = bench("--compare", str(runs["control"]), str(runs["candidate"]), "--chart", str(chart))
+    assert res.returncode == 0, res.stderr
+    table = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert "control prefill t/s" in table[0] and "candidate / control" in table[0], res.stdout
+    assert len(table) == 1 + 4, res.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
