@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+import servers
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
@@ -21,33 +20,11 @@ UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upst
 MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve(binary: Path, log: Path):
     for p in (binary, MODEL):
         if not p.exists():
             pytest.fail(f"{p} is missing: run tools/setup and tools/build-upstream")
-    port = free_port()
-    f = open(log, "wb", buffering=0)
-    proc = subprocess.Popen([str(binary), "-m", str(MODEL), "--port", str(port), "-c", "4096", "-np", "1"],
-                            stdout=subprocess.DEVNULL, stderr=f)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health") as r:
-                if json.load(r).get("status") == "ok":
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"{binary} did not become ready")
-        time.sleep(0.2)
+    return servers.start(binary, ["-m", str(MODEL), "-c", "4096", "-np", "1"], stderr=open(log, "wb", buffering=0))
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:

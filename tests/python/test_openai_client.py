@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+import servers
 
 openai = pytest.importorskip("openai")
 
@@ -29,34 +27,11 @@ TOOLS = [{
 }]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client():
     if not SERVER.exists() or not MODEL.exists():
         pytest.skip("strata-server or the tiny model is not built (run tools/setup)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(SERVER), "-m", str(MODEL), "--port", str(port), "-c", "2048", "-np", "2", "--jinja"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(base + "/health") as r:
-                if json.load(r).get("status") == "ok":
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail("strata-server did not become ready")
-        time.sleep(0.2)
+    proc, base = servers.start(SERVER, ["-m", str(MODEL), "-c", "2048", "-np", "2", "--jinja"])
     yield openai.OpenAI(base_url=base + "/v1", api_key="unused")
     proc.terminate()
     proc.wait(timeout=30)
