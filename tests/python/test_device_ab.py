@@ -1,0 +1,59 @@
+"""tools/device/ab on the CPU: the --n-cpu-moe arithmetic from a real GGUF's tensor sizes, and a
+--quick A/B of upstream llama-server against strata-server (one arm at a time, compare table,
+chart)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import importlib.util
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
+
+import pytest
+
+import servers
+
+REPO = Path(__file__).resolve().parents[2]
+AB = REPO / "tools" / "device" / "ab"
+STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
+MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+
+
+def ab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(AB), *args], capture_output=True, text=True, timeout=600)
+
+
+def plan(vram_gib: float) -> list[str]:
+    res = ab("--plan", str(MODEL), "--vram-gib", str(vram_gib), "--ctx", "4096")
+    assert res.returncode == 0, res.stderr
+    return res.stdout.splitlines()
+
+
+def test_plan_moves_experts_to_the_cpu_only_as_far_as_the_card_needs():
+    assert plan(64)[-1].endswith("--n-cpu-moe 0")
+    tight = plan(1.51)
+    assert tight[-2].endswith("--n-cpu-moe 4"), tight
+    assert tight[-1].startswith("warning:"), tight
+    # a card that holds all but about two layers' experts
+    loader = SourceFileLoader("ab", str(AB))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("ab", loader))
+    loader.exec_module(mod)
+    _, fixed, experts = mod.sizes(MODEL, 4096)
+    middle = (fixed + sum(experts[2:]) + 1) / 2 ** 30
+    line = plan(middle)[-1]
+    assert line.endswith("--n-cpu-moe 2"), line
+
+
+def test_quick_ab_runs_both_arms_and_compares(tmp_path):
+    for p in (STRATA, UPSTREAM, MODEL):
+        if not p.exists():
+            pytest.fail(f"{p} is missing: run tools/setup and tools/build-upstream")
+    res = ab("--control", str(UPSTREAM), "--candidate", str(STRATA), "--model", str(MODEL), "--out", str(tmp_path),
+             "--ctx", "4096", "--quick", "--port", str(servers.free_port()))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "candidate / control" in (tmp_path / "compare.md").read_text()
+    for f in ("control.json", "candidate.json", "control.log", "candidate.log", "prefill.png"):
+        assert (tmp_path / f).stat().st_size > 0, f
