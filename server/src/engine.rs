@@ -1426,6 +1426,8 @@ impl<'m> Engine<'m> {
             spec.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
         }
         slot.cache.drain(n_keep as usize..(n_keep + n_discard) as usize);
+        // checkpoints past the kept head hold positions the shift moved
+        slot.checkpoints.retain(|c| c.n_tokens <= n_keep as usize);
         slot_log("update_slots", id, task_id, &msg);
     }
 
