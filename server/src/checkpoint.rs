@@ -8,7 +8,7 @@
 //! `--checkpoint-min-step`, before any batch near the prompt's end); at most `--ctx-checkpoints`
 //! per slot, oldest evicted first, those too close to an earlier one evicted before that.
 
-use strata_ffi::Verbosity;
+use strata_ffi::{Token, Verbosity};
 
 use crate::engine::slot_log_at;
 
@@ -115,6 +115,17 @@ pub fn invalidate(list: &mut Vec<Checkpoint>, pos_next: i32, n_swa: usize, slot:
     });
 }
 
+/// Where user messages start in `prompt`: at each position the first delimiter that matches
+/// there names the role (llama.cpp's common_chat_msg_delimiters::split).
+pub fn user_starts(prompt: &[Token], delimiters: &[(bool, Vec<Token>)]) -> Vec<usize> {
+    if delimiters.is_empty() {
+        return Vec::new();
+    }
+    (0..prompt.len())
+        .filter(|&i| delimiters.iter().find(|(_, d)| prompt[i..].starts_with(d)).is_some_and(|(user, _)| *user))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -164,6 +175,14 @@ mod tests {
         // a checkpoint that starts at position 0 always serves a prompt it does not overrun
         let sw = vec![Checkpoint { n_tokens: 8, pos_min: 0, pos_max: 7, task: 1, tgt: Vec::new(), spec: None }];
         assert_eq!(find(&sw, 8, 0), Some(0));
+    }
+
+    #[test]
+    fn user_starts_follow_the_first_matching_delimiter() {
+        // assistant [1, 2], user [1]: where both match, the first listed wins
+        let delims = vec![(false, vec![1, 2]), (true, vec![1])];
+        assert_eq!(user_starts(&[1, 2, 9, 1, 9, 1, 2, 1], &delims), vec![3, 7]);
+        assert!(user_starts(&[1, 1], &[]).is_empty());
     }
 
     #[test]

@@ -547,17 +547,6 @@ fn all_alora(invocations: &[Vec<Token>], scales: &[f32]) -> bool {
     enabled.peek().is_some() && enabled.all(|(_, inv)| !inv.is_empty())
 }
 
-/// Where user messages start in `prompt`: at each position the first delimiter that matches
-/// there names the role (llama.cpp's common_chat_msg_delimiters::split).
-fn user_starts(prompt: &[Token], delimiters: &[(bool, Vec<Token>)]) -> Vec<usize> {
-    if delimiters.is_empty() {
-        return Vec::new();
-    }
-    (0..prompt.len())
-        .filter(|&i| delimiters.iter().find(|(_, d)| prompt[i..].starts_with(d)).is_some_and(|(user, _)| *user))
-        .collect()
-}
-
 /// Adds a context checkpoint of slot's sequence as it stands (covering its first `n_tokens`).
 fn take_checkpoint(
     ctx: &Context<'_>,
@@ -1226,7 +1215,7 @@ impl<'m> Engine<'m> {
                         c.n_tokens,
                         c.size() as f64 / (1024.0 * 1024.0)
                     );
-                    slot_log_at(Verbosity::Trace, "update_slots", id, task.id as i64, &msg);
+                    slot_log_at(Verbosity::Trace, "operator()", id, task.id as i64, &msg);
                 }
                 None => {
                     let msg = "forcing full prompt re-processing due to lack of cache data (likely due to SWA or hybrid/recurrent memory, see https://github.com/ggml-org/llama.cpp/pull/13194#issuecomment-2868343055)";
@@ -1255,7 +1244,7 @@ impl<'m> Engine<'m> {
         for &t in &task.prompt {
             sampler.accept(t, false);
         }
-        let starts = if self.checkpoints.is_some() { user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
+        let starts = if self.checkpoints.is_some() { checkpoint::user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
         let mut active = Active::new(task, sampler, n_predict_max, keep, lora);
         active.user_starts = starts;
         active.alora = alora;
@@ -1918,6 +1907,15 @@ mod tests {
         let (_, all) = softmax_top(&logits, 10, 0);
         assert_eq!(all.len(), 4);
         assert!((all.iter().map(|t| t.1).sum::<f32>() - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn all_alora_needs_every_enabled_adapter_to_be_one() {
+        let inv = vec![vec![5, 6], Vec::new(), vec![7]];
+        assert!(all_alora(&inv, &[1.0, 0.0, 0.0]));
+        assert!(all_alora(&inv, &[1.0, 0.0, 0.5]), "two aLoRAs: all_alora, rejected later");
+        assert!(!all_alora(&inv, &[1.0, 1.0, 0.0]), "a plain adapter is enabled");
+        assert!(!all_alora(&inv, &[0.0, 0.0, 0.0]), "none enabled");
     }
 
     #[test]

@@ -47,6 +47,26 @@ fn a_hybrid_model_resumes_a_shared_prefix_from_a_checkpoint() {
     assert_eq!(again["tokens"], fresh["tokens"]);
 }
 
+/// A chat prompt gets a checkpoint where each user message starts (the template's message
+/// delimiters): editing the last user message resumes from the one before it, as llama-server
+/// does (26 tokens with this template).
+#[test]
+fn an_edited_last_user_message_resumes_from_its_checkpoint() {
+    let server = hybrid(&[]);
+    let chat = |last: &str| {
+        json!({"messages": [
+            {"role": "system", "content": "Book"},
+            {"role": "user", "content": "What is the best book"},
+            {"role": "assistant", "content": "Some book that is good"},
+            {"role": "user", "content": last}],
+            "max_tokens": 4, "temperature": 0})
+    };
+    let (_, first) = server.post("/v1/chat/completions", &chat("Why that one?"));
+    assert_eq!(cache_n(&first), 0);
+    let (_, edited) = server.post("/v1/chat/completions", &chat("Tell me more."));
+    assert_eq!(cache_n(&edited), 26, "{}", edited["timings"]);
+}
+
 /// Speculation on a model whose recurrent state cannot drop rejected draft tokens: the MTP
 /// head (the context keeps a few recurrent-state snapshots to roll back to), a draft model
 /// the target always rejects and one it always accepts (the target restores a checkpoint and
