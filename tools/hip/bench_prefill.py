@@ -229,7 +229,10 @@ def compare(paths: list[str], chart: str | None) -> str:
         "Decode: " + decode]
     table = "\n".join(lines)
     if chart:
-        write_chart(runs, chart)
+        try:
+            write_chart(runs, chart)
+        except ImportError:
+            print("bench_prefill: no matplotlib here, chart skipped (run --compare again where it is)", file=sys.stderr)
     return table
 
 
