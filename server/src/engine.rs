@@ -547,6 +547,13 @@ fn all_alora(invocations: &[Vec<Token>], scales: &[f32]) -> bool {
     enabled.peek().is_some() && enabled.all(|(_, inv)| !inv.is_empty())
 }
 
+/// Copies a slot's sequence and its checkpoints into the prompt cache; false if nothing was stored.
+fn save_slot(cache: &mut PromptCache, ctx: &Context<'_>, slot: &Slot) -> bool {
+    let id = slot.id as i32;
+    let size = ctx.seq_state_size(id, StateScope::Whole) + slot.checkpoints.iter().map(Checkpoint::size).sum::<usize>();
+    cache.save(&slot.cache, size, || ctx.seq_state(id, StateScope::Whole), || slot.checkpoints.clone())
+}
+
 /// Adds a context checkpoint of slot's sequence as it stands (covering its first `n_tokens`).
 fn take_checkpoint(
     ctx: &Context<'_>,
@@ -1069,9 +1076,7 @@ impl<'m> Engine<'m> {
         let t0 = Instant::now();
         let ctx = &mut self.ctx;
         let slot = &mut self.slots[id];
-        let size = ctx.seq_state_size(id as i32, StateScope::Whole) + slot.checkpoints.iter().map(Checkpoint::size).sum::<usize>();
-        let checkpoints = &slot.checkpoints;
-        cache.save(&slot.cache, size, || ctx.seq_state(id as i32, StateScope::Whole), || checkpoints.clone());
+        save_slot(cache, ctx, slot);
         if let Some(entry) = cache.take_best(&slot.cache, prompt) {
             if ctx.set_seq_state(id as i32, &entry.state, StateScope::Whole) {
                 slot.cache = entry.tokens;
@@ -1094,10 +1099,7 @@ impl<'m> Engine<'m> {
         for slot in self.slots.iter_mut().filter(|s| s.active.is_none()) {
             let id = slot.id as i32;
             slot_log_at(Verbosity::Trace, "process_sing", slot.id, -1, "saving idle slot to prompt cache");
-            let ctx = &self.ctx;
-            let size = ctx.seq_state_size(id, StateScope::Whole) + slot.checkpoints.iter().map(Checkpoint::size).sum::<usize>();
-            let checkpoints = &slot.checkpoints;
-            if cache.save(&slot.cache, size, || ctx.seq_state(id, StateScope::Whole), || checkpoints.clone()) {
+            if save_slot(cache, &self.ctx, slot) {
                 slot_log_at(Verbosity::Debug, "process_sing", slot.id, -1, "__TEST_TAG_CACHE_IDLE_SLOT__");
                 cache.update();
             }
