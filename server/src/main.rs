@@ -143,7 +143,7 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
                 .collect(),
         });
         for l in &listeners {
-            eprintln!("main: server is listening on {}", l.describe()?);
+            strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));
         }
         let mut state = engine.state_watch();
         let load_failed = async move {

@@ -137,7 +137,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         let app = routes(RouterApp { models: models.clone(), props: Arc::new(props), convs: Arc::default() }, info, agent.routes);
         eprintln!("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
-            eprintln!("main: server is listening on {}", l.describe()?);
+            strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));
             tokio::spawn(crate::accept_loop(l, app.clone()));
         }
         tokio::spawn({
