@@ -1,6 +1,8 @@
 #include "llama.h"
 #include "ggml.h"
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml-alloc.h"
 #include "gguf.h"
 #include "strata-hooks.h"
 #include "strata_shim.h"

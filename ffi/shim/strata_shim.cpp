@@ -11,7 +11,10 @@
 #include "speculative.h"
 #include "preset.h"
 #include "download.h"
+#include "ggml-cpu.h"
 
+#include <dlfcn.h>
+#include <link.h>
 #include <unistd.h>
 #include <set>
 
@@ -204,6 +207,8 @@ char * strata_params_json(const strata_params * p) {
         {"timeout_read", c.timeout_read},
         {"timeout_write", c.timeout_write},
         {"n_threads_http", c.n_threads_http},
+        {"load_mode", (int) c.load_mode},
+        {"main_gpu", c.main_gpu},
         {"n_ctx", c.n_ctx},
         {"n_batch", c.n_batch},
         {"n_ubatch", c.n_ubatch},
@@ -968,4 +973,41 @@ int strata_reserve_stdout(void) {
         return -1;
     }
     return fd;
+}
+
+// ---- MoE experts ----------------------------------------------------------------------------
+
+using cpu_traits_fn = const struct ggml_type_traits_cpu * (*)(enum ggml_type);
+
+static cpu_traits_fn find_cpu_traits() {
+    std::string path;
+    dl_iterate_phdr([](struct dl_phdr_info * info, size_t, void * data) -> int {
+        const char * name = info->dlpi_name;
+        if (name == nullptr) {
+            return 0;
+        }
+        const char * slash = strrchr(name, '/');
+        const char * base = slash ? slash + 1 : name;
+        if (strncmp(base, "libggml-cpu", strlen("libggml-cpu")) == 0) {
+            *static_cast<std::string *>(data) = name;
+            return 1;
+        }
+        return 0;
+    }, &path);
+    if (path.empty()) {
+        return nullptr;
+    }
+    void * handle = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (handle == nullptr) {
+        return nullptr;
+    }
+    return reinterpret_cast<cpu_traits_fn>(dlsym(handle, "ggml_get_type_traits_cpu"));
+}
+
+const struct ggml_type_traits_cpu * strata_cpu_type_traits(int type) {
+    static cpu_traits_fn fn = find_cpu_traits();
+    if (fn == nullptr || type < 0 || type >= GGML_TYPE_COUNT) {
+        return nullptr;
+    }
+    return fn(static_cast<enum ggml_type>(type));
 }

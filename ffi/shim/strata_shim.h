@@ -193,6 +193,12 @@ bool strata_router_remove_cached(const char * repo);
 // fd 1 at stderr, so llama.cpp's own prints go to the log. -1 on failure.
 int strata_reserve_stdout(void);
 
+// ---- MoE experts ----------------------------------------------------------------------------
+
+// The CPU backend's kernels for one ggml type (from_float, vec_dot), or NULL when the CPU
+// backend module is not loaded. The CPU backend is a run-time module here, so it is looked up.
+const struct ggml_type_traits_cpu * strata_cpu_type_traits(int type);
+
 #ifdef __cplusplus
 }
 #endif

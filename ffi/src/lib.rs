@@ -15,6 +15,7 @@ mod context;
 mod error;
 mod lora;
 pub mod hooks;
+pub mod moe;
 mod model;
 mod params;
 mod router;

@@ -368,6 +368,12 @@ pub struct EngineConfig {
     pub n_cache_reuse: i32,
     /// --lora / --lora-scaled: adapter files and their initial scales.
     pub lora: Vec<(PathBuf, f32)>,
+    /// The MoE expert residency flags, when any is given.
+    pub experts: Option<crate::experts::ExpertConfig>,
+    /// The model file is mapped (llama.cpp's load mode), which the expert tiers rely on.
+    pub use_mmap: bool,
+    /// --main-gpu: the GPU that holds the hot expert tier.
+    pub main_gpu: usize,
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
@@ -408,6 +414,13 @@ struct Shared {
 
 fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
     strata_ffi::init_backend(Some(&cfg.params));
+    let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = state.send(State::Failed(e));
+            return;
+        }
+    };
     let mparams = cfg.params.model_params();
     let model = match Model::load(&cfg.model_path, &mparams) {
         Ok(m) => Arc::new(m),
@@ -446,6 +459,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
         *l = infos;
     }
     let mut woken_by: Option<Job> = None;
+    let mut placed = false;
     loop {
         let ctx = match Context::new(&model, cfg.params.context_params()) {
             Ok(c) => c,
@@ -455,6 +469,13 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             }
         };
         let mut ctx = ctx;
+        if let Some(p) = prepared.as_ref().filter(|_| !placed) {
+            if let Err(e) = crate::experts::place(p, &model, cfg.main_gpu) {
+                let _ = state.send(State::Failed(e));
+                return;
+            }
+            placed = true;
+        }
         let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {
@@ -1367,6 +1388,7 @@ impl<'m> Engine<'m> {
         let a = slot.active.take()?;
         let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);
         slot_log("release", id, a.task.id, &msg);
+        crate::experts::request_done();
         // Before the final answer goes out, so a client that reads /slots or /metrics right
         // after it sees the slot idle.
         self.publish();
@@ -1655,7 +1677,9 @@ impl<'m> Engine<'m> {
     /// Decodes the batch in the target context and in the drafter's. On failure every
     /// processing slot fails and its sequence is dropped, as in llama-server; returns false.
     fn decode_batch(&mut self) -> bool {
-        let msg = match self.ctx.decode(&self.batch) {
+        let res = self.ctx.decode(&self.batch);
+        crate::experts::after_step();
+        let msg = match res {
             Err(DecodeError::NoKvCacheSlot) => "Context size has been exceeded.",
             Err(DecodeError::InvalidBatch) => "Invalid input batch.",
             Err(DecodeError::Aborted) => "Decoding was aborted.",

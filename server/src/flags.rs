@@ -60,6 +60,7 @@ pub const FLAGS: &[Flag] = &[
     Flag { name: "--resident-cpu-experts", kind: Kind::Switch, help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)", maps_to: None },
     Flag { name: "--resident-experts", kind: Kind::Switch, help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)", maps_to: None },
     Flag { name: "--expert-profile", kind: Kind::Value("FILE"), help: "fixed, ranked expert profile written by tools/expert-profile", maps_to: None },
+    Flag { name: "--expert-profile-out", kind: Kind::Value("FILE"), help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)", maps_to: None },
     Flag { name: "--expert-cache", kind: Kind::Value("auto|N"), help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers", maps_to: None },
     Flag { name: "--prefill", kind: Kind::Value("N"), help: "prompt tokens per step; same as -b N -ub N", maps_to: Some(map_prefill) },
     Flag { name: "--spec", kind: Kind::Value("N"), help: "tokens to draft per step; same as --spec-draft-n-max N", maps_to: Some(map_spec) },

@@ -846,7 +846,7 @@ async fn metrics(AxState(app): AxState<App>) -> Result<Response, ApiError> {
     }
     let metrics = app.engine.metrics();
     let mut m = metrics.lock().map_err(|_| ApiError::server("metrics are unavailable"))?;
-    let body = m.scrape();
+    let body = m.scrape() + &crate::experts::metrics_text();
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4".to_string()), (HeaderName::from_static("process-start-time-unix"), m.t_start.to_string())], body)
         .into_response())
 }

@@ -7,6 +7,7 @@ mod cors_proxy;
 mod embeddings;
 mod engine;
 mod error;
+mod experts;
 mod flags;
 mod gcp;
 mod generation;
@@ -49,8 +50,19 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let experts = match experts::ExpertConfig::from_args(&strata_args) {
+        Ok(c) => c,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut parse_args = llama_args.clone();
+    if let Some(c) = &experts {
+        parse_args.extend(c.llama_args().iter().map(|a| a.to_string()));
+    }
     strata_ffi::common_init();
-    let mut params = match ServerParams::parse(&llama_args, Some(print_strata_usage)) {
+    let mut params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
         Ok(ParseOutcome::Parsed(p)) => p,
         Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
         Err(e) => {
@@ -68,7 +80,7 @@ fn main() -> ExitCode {
         }
     }
     params.apply_server_defaults();
-    match serve(params, strata_args, &llama_args, child) {
+    match serve(params, strata_args, experts, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("strata-server: error: {e:#}");
@@ -77,9 +89,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String], child: Option<std::sync::Arc<router::ChildLink>>) -> Result<()> {
-    for flag in strata.own_flags() {
+fn serve(
+    params: ServerParams,
+    strata: flags::StrataArgs,
+    experts: Option<experts::ExpertConfig>,
+    llama_args: &[String],
+    child: Option<std::sync::Arc<router::ChildLink>>,
+) -> Result<()> {
+    for flag in strata.own_flags().filter(|f| experts.is_none() || !experts::FLAGS.contains(f)) {
         eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
+    }
+    for note in experts.iter().flat_map(experts::ExpertConfig::inert_flags) {
+        eprintln!("strata: warning: {note}");
     }
     let cfg = params.to_json().context("reading parsed parameters")?;
     let hosts: Vec<String> = cfg["hostnames"]
@@ -127,6 +148,9 @@ fn serve(params: ServerParams, strata: flags::StrataArgs, llama_args: &[String],
             n_predict_default,
             sleep_idle,
             ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
+            experts,
+            use_mmap: matches!(cfg["load_mode"].as_i64(), Some(-1 | 1 | 3)),
+            main_gpu: cfg["main_gpu"].as_u64().unwrap_or(0) as usize,
             cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,
             cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
             n_ctx_checkpoints: cfg["n_ctx_checkpoints"].as_u64().unwrap_or(0) as usize,

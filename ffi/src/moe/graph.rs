@@ -1,0 +1,155 @@
+//! Builds a tiered MoE layer into llama.cpp's graph (called from the MoE hook).
+
+use std::ffi::c_void;
+use std::ptr::NonNull;
+
+use super::{kernels, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
+use crate::sys;
+
+struct G<'a> {
+    ctx: *mut sys::ggml_context,
+    args: &'a sys::strata_moe_experts_args,
+}
+
+impl G<'_> {
+    /// mul_mat_id over `mats` with `ids`, the activation, then down: [n_embd, n_used, n_tok].
+    fn ffn(&self, mats: &Mats<T>, ids: T, act: Activation) -> Option<T> {
+        let (ctx, cur) = (self.ctx, self.args.cur);
+        // SAFETY: ctx is the graph context; all tensors are live graph or weight tensors of
+        // matching shapes (the same shapes llama.cpp would use for this layer).
+        unsafe {
+            let (gate, up) = if let Some(gu) = mats.gate_up {
+                let gu = sys::ggml_mul_mat_id(ctx, gu, cur, ids);
+                let n_ff = (*gu).ne[0] / 2;
+                let g = sys::ggml_view_3d(ctx, gu, n_ff, (*gu).ne[1], (*gu).ne[2], (*gu).nb[1], (*gu).nb[2], 0);
+                let u = sys::ggml_view_3d(ctx, gu, n_ff, (*gu).ne[1], (*gu).ne[2], (*gu).nb[1], (*gu).nb[2], n_ff as usize * (*gu).nb[0]);
+                (Some(g), u)
+            } else {
+                let u = sys::ggml_mul_mat_id(ctx, mats.up?, cur, ids);
+                (mats.gate.map(|g| sys::ggml_mul_mat_id(ctx, g, cur, ids)), u)
+            };
+            let h = match (gate, act) {
+                (Some(g), Activation::Silu) => sys::ggml_swiglu_split(ctx, g, up),
+                (Some(g), Activation::Gelu) => sys::ggml_geglu_split(ctx, g, up),
+                (Some(g), Activation::Relu) => sys::ggml_reglu_split(ctx, g, up),
+                (None, Activation::Silu) => sys::ggml_silu(ctx, up),
+                (None, Activation::Gelu) => sys::ggml_gelu(ctx, up),
+                (None, Activation::Relu) => sys::ggml_relu(ctx, up),
+            };
+            Some(sys::ggml_mul_mat_id(ctx, mats.down?, h, ids))
+        }
+    }
+
+    /// map[ids] for an i32 expert map [1, n_expert] and contiguous ids [n_used, n_tok].
+    fn remap(&self, map: T, ids: T) -> T {
+        // SAFETY: map is [1, n_expert] i32, ids is contiguous [n_used, n_tok] i32.
+        unsafe {
+            let (n_used, n_tok) = ((*ids).ne[0], (*ids).ne[1]);
+            let flat = sys::ggml_reshape_1d(self.ctx, ids, n_used * n_tok);
+            let rows = sys::ggml_get_rows(self.ctx, map, flat);
+            sys::ggml_reshape_2d(self.ctx, rows, n_used, n_tok)
+        }
+    }
+
+    fn custom(&self, ne: [i64; 3], srcs: &mut [T], f: sys::ggml_custom_op_t, n_tasks: i32, lt: &LayerTiers) -> T {
+        // SAFETY: srcs are live tensors; userdata (the LayerTiers) outlives every graph that
+        // uses it (the registry keeps it until the model is freed, after all contexts).
+        unsafe {
+            sys::ggml_custom_4d(
+                self.ctx,
+                sys::GGML_TYPE_F32,
+                ne[0],
+                ne[1],
+                ne[2],
+                1,
+                srcs.as_mut_ptr(),
+                srcs.len() as i32,
+                f,
+                n_tasks,
+                lt as *const LayerTiers as *mut c_void,
+            )
+        }
+    }
+
+    fn expand(&self, t: T) {
+        // SAFETY: t belongs to this graph's context.
+        unsafe { sys::ggml_build_forward_expand(self.args.graph, t) };
+    }
+}
+
+fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
+    match op {
+        sys::STRATA_FFN_OP_SILU => Some(Activation::Silu),
+        sys::STRATA_FFN_OP_GELU => Some(Activation::Gelu),
+        sys::STRATA_FFN_OP_RELU => Some(Activation::Relu),
+        _ => None,
+    }
+}
+
+/// The tiered layer's weighted expert sum [n_embd, n_tok], or None to let llama.cpp build it
+/// (unsupported activation, a layer only being counted, or a prompt batch without a RAM copy).
+pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
+    let act = activation(args.ffn_op)?;
+    lt.set_activation(act);
+    let g = G { ctx: args.ctx, args };
+    // SAFETY: args come from llama.cpp's build_moe_ffn and are live for this call.
+    let (n_embd, n_tok) = unsafe { ((*args.cur).ne[0], (*args.cur).ne[2]) };
+    let n_used = args.n_expert_used;
+    // SAFETY: selected_experts is a live i32 tensor [n_used, n_tok] (possibly a view).
+    let sel = unsafe { sys::ggml_cont(g.ctx, args.selected_experts) };
+    let prompt = n_tok >= OFFLOAD_MIN_BATCH;
+    let cold_threads = if lt.cold_threads > 0 { lt.cold_threads } else { sys::GGML_N_TASKS_MAX };
+
+    let Some(hot) = &lt.hot else {
+        let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
+        g.expand(c);
+        return None;
+    };
+    if prompt && lt.cold_map.is_none() {
+        let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
+        g.expand(c);
+        return None;
+    }
+
+    let hot_ids = g.remap(hot.map, sel);
+    let down_hot = g.ffn(&hot.mats, hot_ids, act)?;
+    g.expand(down_hot);
+
+    let down_cold = match lt.cold_map {
+        Some(map) if prompt => {
+            let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
+            g.expand(c);
+            let cold_ids = g.remap(map, sel);
+            g.ffn(&lt.cold_tensors, cold_ids, act)?
+        }
+        _ => {
+            let mut a_srcs = vec![args.cur, sel];
+            a_srcs.extend([lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten());
+            let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), cold_threads, lt);
+            let mut b_srcs = vec![h, sel];
+            b_srcs.extend(lt.cold_tensors.down);
+            g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), cold_threads, lt)
+        }
+    };
+
+    // SAFETY: graph tensors of matching shapes; the sum mirrors llama.cpp's build_moe_ffn.
+    unsafe {
+        let experts = sys::ggml_add(g.ctx, down_hot, down_cold);
+        let experts = sys::ggml_mul(g.ctx, experts, args.weights);
+        g.expand(experts);
+        let view = |i: i64| sys::ggml_view_2d(g.ctx, experts, n_embd, n_tok, (*experts).nb[2], i as usize * (*experts).nb[1]);
+        let views: Vec<T> = (0..n_used).map(view).collect();
+        for &v in &views {
+            g.expand(v);
+        }
+        let mut out = views[0];
+        for &v in &views[1..] {
+            out = sys::ggml_add(g.ctx, out, v);
+            g.expand(out);
+        }
+        if n_used == 1 {
+            out = sys::ggml_cont(g.ctx, out);
+        }
+        NonNull::new(out)
+    }
+}

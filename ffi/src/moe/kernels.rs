@@ -1,0 +1,237 @@
+//! The cold tier's CPU kernels: ggml custom ops that compute only the selected experts that
+//! are not in the hot tier, with the CPU backend's own quantize and dot-product routines, so a
+//! cold expert gives what the CPU backend's mul_mat_id would give for it.
+//!
+//! Op A (`gate_up`) writes act(gate·x) * (up·x) for each cold (token, slot); op B (`down`)
+//! writes down·h for each cold (token, slot) and zeros for hot ones, so that adding the hot
+//! tier's result (zeros where cold) gives every selected expert exactly once.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+use super::{Activation, LayerTiers, Tier};
+use crate::sys;
+
+/// One weight matrix of a cold expert, as the kernels read it.
+#[derive(Clone, Copy)]
+pub(crate) struct ColdMat {
+    pub data: *const u8,
+    pub nb1: usize,
+    pub nb2: usize,
+    pub traits: CpuTraits,
+}
+
+/// The CPU backend's routines for one weight type.
+#[derive(Clone, Copy)]
+pub(crate) struct CpuTraits {
+    pub vec_dot: unsafe extern "C" fn(i32, *mut f32, usize, *const c_void, usize, *const c_void, usize, i32),
+    pub from_float: Option<unsafe extern "C" fn(*const f32, *mut c_void, i64)>,
+    pub vec_dot_type: sys::ggml_type,
+}
+
+impl CpuTraits {
+    pub(crate) fn of(ty: sys::ggml_type) -> Option<Self> {
+        // SAFETY: returns a pointer into a static table of the CPU module, or NULL.
+        let t = unsafe { sys::strata_cpu_type_traits(ty as i32).as_ref()? };
+        let vec_dot = t.vec_dot?;
+        let from_float = if t.vec_dot_type == sys::GGML_TYPE_F32 {
+            None
+        } else {
+            // SAFETY: as above; the input is converted with the dot-product type's routine.
+            Some(unsafe { sys::strata_cpu_type_traits(t.vec_dot_type as i32).as_ref()? }.from_float?)
+        };
+        Some(Self { vec_dot, from_float, vec_dot_type: t.vec_dot_type })
+    }
+
+    /// Bytes of one input row of `n` values in this matrix's dot-product type.
+    fn row_bytes(&self, n: usize) -> usize {
+        // SAFETY: pure size computation for a valid type.
+        unsafe { sys::ggml_row_size(self.vec_dot_type, n as i64) }
+    }
+
+    /// Converts `x` into the dot-product type in `out` (resized as needed).
+    fn quantize(&self, x: &[f32], out: &mut Vec<u8>) {
+        let n = self.row_bytes(x.len());
+        out.resize(n, 0);
+        match self.from_float {
+            // SAFETY: out holds exactly one row of x.len() values in vec_dot_type.
+            Some(f) => unsafe { f(x.as_ptr(), out.as_mut_ptr().cast(), x.len() as i64) },
+            // SAFETY: F32 rows are the floats themselves; out is x.len()*4 bytes.
+            None => unsafe { std::ptr::copy_nonoverlapping(x.as_ptr().cast::<u8>(), out.as_mut_ptr(), n) },
+        }
+    }
+
+    /// Dot product of weight row `w` with the converted input `xq` (`n` values).
+    fn dot(&self, n: usize, w: *const u8, xq: &[u8]) -> f32 {
+        let mut s = 0.0f32;
+        // SAFETY: w points at one row of n values of the weight type; xq is one row in vec_dot_type.
+        unsafe { (self.vec_dot)(n as i32, &mut s, 0, w.cast(), 0, xq.as_ptr().cast(), 0, 1) };
+        s
+    }
+}
+
+/// Splits `total` work items across `nth` threads; thread `ith` gets `[start, end)`.
+fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
+    let per = total.div_ceil(nth.max(1));
+    let start = (ith * per).min(total);
+    (start, (start + per).min(total))
+}
+
+/// (token, slot, cold row in the cold tensors) for every selected expert of the cold tier.
+fn cold_items(lt: &LayerTiers, sel: &sys::ggml_tensor, n_used: usize, n_tok: usize) -> Vec<(usize, usize, usize)> {
+    let ids = sel.data as *const i32;
+    let mut items = Vec::new();
+    for t in 0..n_tok {
+        for k in 0..n_used {
+            // SAFETY: sel is a contiguous [n_used, n_tok] i32 tensor.
+            let e = unsafe { *ids.add(t * n_used + k) };
+            if let Some(row) = lt.cold_row(e) {
+                items.push((t, k, row));
+            }
+        }
+    }
+    items
+}
+
+/// Counts each selection once per graph evaluation (thread 0 only), by tier and by expert.
+fn tally(lt: &LayerTiers, sel: &sys::ggml_tensor, n: usize) {
+    let ids = sel.data as *const i32;
+    let (mut hot, mut cold) = (0u64, 0u64);
+    for i in 0..n {
+        // SAFETY: sel holds n contiguous i32 ids.
+        let e = unsafe { *ids.add(i) };
+        if lt.cold_row(e).is_some() {
+            cold += 1;
+        } else {
+            hot += 1;
+        }
+        if let Some(c) = usize::try_from(e).ok().and_then(|e| lt.tally.per_expert.get(e)) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    let t = &lt.tally;
+    t.hits[Tier::Hot as usize].fetch_add(hot, Ordering::Relaxed);
+    t.hits[lt.cold_tier as usize].fetch_add(cold, Ordering::Relaxed);
+}
+
+fn act(a: Activation, g: f32, u: f32, gated: bool) -> f32 {
+    let x = if gated { g } else { u };
+    let y = match a {
+        Activation::Silu => x / (1.0 + (-x).exp()),
+        Activation::Relu => x.max(0.0),
+        Activation::Gelu => {
+            const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+            0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+        }
+    };
+    if gated {
+        y * u
+    } else {
+        y
+    }
+}
+
+unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
+    // SAFETY: the caller built dst with at least i+1 sources.
+    unsafe { &*(*dst).src[i] }
+}
+
+/// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, then the cold weight
+/// tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
+pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
+    // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op these sources.
+    let (cur, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
+    let n_used = sel.ne[0] as usize;
+    let n_tok = sel.ne[1] as usize;
+    let n_embd = lt.n_embd;
+    let n_ff = lt.n_ff;
+    if ith == 0 {
+        tally(lt, sel, n_used * n_tok);
+    }
+    let items = cold_items(lt, sel, n_used, n_tok);
+    let (r0, r1) = share(items.len() * n_ff, ith as usize, nth as usize);
+    let cold = &lt.cold;
+    let (g_mat, u_mat, u_off) = match (cold.gate, cold.up, cold.gate_up) {
+        (_, _, Some(gu)) => (Some(gu), gu, n_ff),
+        (g, Some(u), None) => (g, u, 0),
+        _ => return,
+    };
+    let mut xq_g = Vec::new();
+    let mut xq_u = Vec::new();
+    let mut last_t = usize::MAX;
+    // SAFETY: dst is a contiguous [n_ff, n_used, n_tok] f32 tensor.
+    let out = unsafe { std::slice::from_raw_parts_mut((*dst).data as *mut f32, n_ff * n_used * n_tok) };
+    for row in r0..r1 {
+        let (t, k, slot) = items[row / n_ff];
+        let r = row % n_ff;
+        if t != last_t {
+            // SAFETY: cur row t holds n_embd floats.
+            let x = unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, n_embd) };
+            u_mat.traits.quantize(x, &mut xq_u);
+            if let Some(g) = g_mat {
+                g.traits.quantize(x, &mut xq_g);
+            }
+            last_t = t;
+        }
+        // SAFETY: slot < experts in the cold tensor and r + u_off < its rows.
+        let u = u_mat.traits.dot(n_embd, unsafe { u_mat.data.add(slot * u_mat.nb2 + (r + u_off) * u_mat.nb1) }, &xq_u);
+        let g = match g_mat {
+            // SAFETY: as above, for the gate rows.
+            Some(g) => g.traits.dot(n_embd, unsafe { g.data.add(slot * g.nb2 + r * g.nb1) }, &xq_g),
+            None => 0.0,
+        };
+        out[(t * n_used + k) * n_ff + r] = act(lt.activation(), g, u, g_mat.is_some());
+    }
+}
+
+/// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the cold
+/// down tensor. Writes [n_embd, n_used, n_tok]: down·h for cold slots, 0 for hot ones.
+pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
+    // SAFETY: as in gate_up.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op these sources.
+    let (h, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
+    let n_used = sel.ne[0] as usize;
+    let n_tok = sel.ne[1] as usize;
+    let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
+    let Some(d) = lt.cold.down else { return };
+    let (r0, r1) = share(n_embd, ith as usize, nth as usize);
+    // SAFETY: dst is a contiguous [n_embd, n_used, n_tok] f32 tensor.
+    let out = unsafe { std::slice::from_raw_parts_mut((*dst).data as *mut f32, n_embd * n_used * n_tok) };
+    let ids = sel.data as *const i32;
+    let mut hq = Vec::new();
+    for t in 0..n_tok {
+        for k in 0..n_used {
+            let base = (t * n_used + k) * n_embd;
+            // SAFETY: sel is a contiguous [n_used, n_tok] i32 tensor.
+            let e = unsafe { *ids.add(t * n_used + k) };
+            let Some(slot) = lt.cold_row(e) else {
+                out[base + r0..base + r1].fill(0.0);
+                continue;
+            };
+            // SAFETY: h row (t, k) holds n_ff floats written by op A.
+            let hv = unsafe { std::slice::from_raw_parts((h.data as *const f32).add((t * n_used + k) * n_ff), n_ff) };
+            d.traits.quantize(hv, &mut hq);
+            for r in r0..r1 {
+                // SAFETY: slot < experts in the cold down tensor and r < n_embd rows.
+                out[base + r] = d.traits.dot(n_ff, unsafe { d.data.add(slot * d.nb2 + r * d.nb1) }, &hq);
+            }
+        }
+    }
+}
+
+/// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).
+pub(crate) unsafe extern "C" fn count(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
+    }
+    // SAFETY: as in gate_up.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op sel as its only source.
+    let sel = unsafe { src(dst, 0) };
+    tally(lt, sel, (sel.ne[0] * sel.ne[1]) as usize);
+    // SAFETY: dst is one f32.
+    unsafe { *((*dst).data as *mut f32) = 0.0 };
+}

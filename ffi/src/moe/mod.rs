@@ -1,0 +1,609 @@
+//! Per-expert tiers for MoE layers. llama.cpp places experts per layer; here each layer's
+//! experts are split: a hot tier (the experts a profile ranks highest, copied into device
+//! buffers with one zero "pad" expert) and a cold tier (the rest, read where llama.cpp mapped
+//! them or from a RAM copy). Routing stays in llama.cpp's graph; the MoE hook rewrites each
+//! tiered layer so every selected expert is computed once, in its tier, and the two partial
+//! results add up to the unsplit layer's result (each side is exactly zero where the other
+//! computes).
+//!
+//! Decode-sized batches compute cold experts with CPU kernels (kernels.rs). Prompt batches
+//! (>= [`OFFLOAD_MIN_BATCH`] tokens) run the cold tier as a mul_mat_id on its host tensors, which
+//! ggml's scheduler offloads to the GPU copying only the experts used; that needs a pad expert
+//! in the cold tensors, i.e. the RAM copy. Without it such batches take llama.cpp's own path.
+
+mod graph;
+mod kernels;
+
+use std::collections::HashMap;
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Once, RwLock};
+
+use crate::hooks::{Hooks, MoeExperts};
+use crate::model::Model;
+use crate::sys;
+use kernels::{ColdMat, CpuTraits};
+
+/// Batches of at least this many tokens are offloaded by ggml's scheduler (CUDA's threshold).
+pub const OFFLOAD_MIN_BATCH: i64 = 32;
+
+/// Where an expert lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// Device buffers of the hot tier ("vram"; host memory on a machine without a GPU).
+    Hot = 0,
+    /// The RAM copy of the cold experts.
+    Ram = 1,
+    /// The experts as llama.cpp loaded them (normally the file mapping).
+    Mapped = 2,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Hot, Tier::Ram, Tier::Mapped];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Hot => "vram",
+            Tier::Ram => "ram",
+            Tier::Mapped => "mmap",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Activation {
+    Silu = 0,
+    Gelu = 1,
+    Relu = 2,
+}
+
+/// One MoE layer of a loaded model, as llama.cpp placed it.
+#[derive(Clone, Debug)]
+pub struct ExpertLayer {
+    pub layer: i32,
+    pub n_expert: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    /// Bytes of one expert (all its matrices).
+    pub expert_bytes: usize,
+    /// Whether the expert data can be read from the host (mapped or in RAM), which tiering needs.
+    pub host: bool,
+    /// The buffer llama.cpp put the experts in ("CPU_Mapped", "CPU", "CUDA0", ...).
+    pub buffer: String,
+}
+
+/// Where the cold experts are read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColdCopy {
+    /// Where llama.cpp put them (the file mapping with mmap).
+    Mapped,
+    /// A pageable RAM copy.
+    Ram,
+    /// A page-locked RAM copy (the GPU backend's host buffer type).
+    PinnedRam,
+}
+
+/// What to place: hot experts per layer (by layer index) and where the cold ones are read.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub hot: Vec<(i32, Vec<u32>)>,
+    pub cold: ColdCopy,
+    /// Threads for the cold kernels in decode (<= 0: all of the CPU backend's threads).
+    pub cold_threads: i32,
+}
+
+/// Experts and bytes per tier after placement.
+#[derive(Clone, Debug, Default)]
+pub struct Placement {
+    pub experts: [u64; 3],
+    pub bytes: [u64; 3],
+    /// The device that holds the hot tier ("CUDA0", or "CPU" without a GPU).
+    pub hot_device: String,
+}
+
+/// Selections counted per tier and per expert since the model was attached.
+pub struct Tally {
+    hits: [AtomicU64; 3],
+    per_expert: Vec<AtomicU64>,
+}
+
+impl Tally {
+    fn new(n_expert: usize) -> Self {
+        Self { hits: Default::default(), per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect() }
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Mats<T> {
+    pub up: Option<T>,
+    pub gate: Option<T>,
+    pub down: Option<T>,
+    pub gate_up: Option<T>,
+}
+
+impl<T: Copy> Mats<T> {
+    fn iter(&self) -> impl Iterator<Item = T> {
+        [self.up, self.gate, self.down, self.gate_up].into_iter().flatten()
+    }
+    fn map<U>(&self, mut f: impl FnMut(T) -> Option<U>) -> Option<Mats<U>> {
+        let mut one = |t: Option<T>| -> Option<Option<U>> {
+            match t {
+                Some(t) => f(t).map(Some),
+                None => Some(None),
+            }
+        };
+        Some(Mats { up: one(self.up)?, gate: one(self.gate)?, down: one(self.down)?, gate_up: one(self.gate_up)? })
+    }
+}
+
+type T = *mut sys::ggml_tensor;
+
+/// The hot tier of one layer: device tensors of n_hot + 1 experts (the last is all zeros) and
+/// the expert -> slot map (the pad slot for cold experts).
+pub(crate) struct Hot {
+    pub mats: Mats<T>,
+    pub map: T,
+}
+
+/// One layer's tiers, shared by the graph builder and the kernels.
+pub(crate) struct LayerTiers {
+    model: usize,
+    pub layer: i32,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    /// The layer's Activation, as the graph builder last saw it.
+    activation: AtomicU8,
+    pub hot: Option<Hot>,
+    /// The cold weight tensors (for graph sources) and how the kernels read them.
+    pub cold_tensors: Mats<T>,
+    pub cold: Mats<ColdMat>,
+    /// expert -> row in the cold tensors, or -1 for a hot expert.
+    cold_rows: Vec<i32>,
+    /// expert -> row in the cold tensors, the pad row for hot experts; only with a RAM copy.
+    pub cold_map: Option<T>,
+    pub cold_tier: Tier,
+    pub cold_threads: i32,
+    pub tally: Tally,
+    _owned: Owned,
+}
+
+// SAFETY: the raw tensor pointers refer to buffers owned by `_owned` or by the model, which
+// outlives the registry entry; they are only read after placement.
+unsafe impl Send for LayerTiers {}
+// SAFETY: see Send; mutation after placement goes through atomics only.
+unsafe impl Sync for LayerTiers {}
+
+impl LayerTiers {
+    /// The cold row of expert `e`, or None when it is hot (or out of range).
+    pub(crate) fn activation(&self) -> Activation {
+        match self.activation.load(Ordering::Relaxed) {
+            1 => Activation::Gelu,
+            2 => Activation::Relu,
+            _ => Activation::Silu,
+        }
+    }
+
+    pub(crate) fn set_activation(&self, a: Activation) {
+        self.activation.store(a as u8, Ordering::Relaxed);
+    }
+
+    pub(crate) fn cold_row(&self, e: i32) -> Option<usize> {
+        let row = *self.cold_rows.get(usize::try_from(e).ok()?)?;
+        usize::try_from(row).ok()
+    }
+}
+
+/// ggml contexts and buffers made for the tiers, freed with the layer.
+#[derive(Default)]
+struct Owned {
+    ctxs: Vec<*mut sys::ggml_context>,
+    bufs: Vec<sys::ggml_backend_buffer_t>,
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        for &b in &self.bufs {
+            // SAFETY: allocated by placement, freed once here.
+            unsafe { sys::ggml_backend_buffer_free(b) };
+        }
+        for &c in &self.ctxs {
+            // SAFETY: as above.
+            unsafe { sys::ggml_free(c) };
+        }
+    }
+}
+
+/// Tiered layers keyed by the address of their down_exps tensor (unique per model and layer).
+static REGISTRY: RwLock<Option<HashMap<usize, Arc<LayerTiers>>>> = RwLock::new(None);
+static INSTALL: Once = Once::new();
+
+struct MoeHooks;
+
+impl Hooks for MoeHooks {
+    fn model_freed(&self, model: *const sys::llama_model) {
+        if let Ok(mut r) = REGISTRY.write() {
+            if let Some(map) = r.as_mut() {
+                map.retain(|_, lt| lt.model != model as usize);
+            }
+        }
+    }
+
+    fn moe_experts(&self, args: &MoeExperts<'_>) -> Option<std::ptr::NonNull<sys::ggml_tensor>> {
+        let key = args.raw().down_exps as usize;
+        let lt = REGISTRY.read().ok()?.as_ref()?.get(&key)?.clone();
+        graph::build(args.raw(), &lt)
+    }
+}
+
+/// Installs the MoE hook (once per process). Without registered layers it changes nothing.
+pub fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
+    let mut res = Ok(());
+    INSTALL.call_once(|| res = crate::hooks::install(Arc::new(MoeHooks)));
+    res
+}
+
+fn expert_tensors(model: &Model, il: i32) -> Option<Mats<T>> {
+    let mut out = sys::strata_expert_tensors { up_exps: null_mut(), gate_exps: null_mut(), down_exps: null_mut(), gate_up_exps: null_mut() };
+    // SAFETY: valid model and out pointer.
+    if !unsafe { sys::strata_model_expert_tensors(model.as_ptr(), il, &mut out) } || out.down_exps.is_null() {
+        return None;
+    }
+    let nn = |t: T| (!t.is_null()).then_some(t);
+    Some(Mats { up: nn(out.up_exps), gate: nn(out.gate_exps), down: nn(out.down_exps), gate_up: nn(out.gate_up_exps) })
+}
+
+fn buffer_name(t: T) -> String {
+    // SAFETY: t is a live model tensor; a tensor without a buffer has none to name.
+    unsafe {
+        let b = (*t).buffer;
+        if b.is_null() {
+            return String::new();
+        }
+        std::ffi::CStr::from_ptr(sys::ggml_backend_buffer_name(b)).to_string_lossy().into_owned()
+    }
+}
+
+/// The model's MoE layers (those with routed-expert tensors), in layer order.
+pub fn expert_layers(model: &Model) -> Vec<ExpertLayer> {
+    // SAFETY: valid model.
+    let n_layer = unsafe { sys::llama_model_n_layer(model.as_ptr()) };
+    let mut out = Vec::new();
+    for il in 0..n_layer.max(0) {
+        let Some(m) = expert_tensors(model, il) else { continue };
+        let Some(down) = m.down else { continue };
+        // SAFETY: live model tensors.
+        let (d, bytes, host) = unsafe {
+            let d = &*down;
+            let bytes: usize = m.iter().map(|t| (*t).nb[2]).sum();
+            let host = m.iter().all(|t| !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer));
+            (d, bytes, host)
+        };
+        out.push(ExpertLayer {
+            layer: il,
+            n_expert: d.ne[2] as usize,
+            n_embd: d.ne[1] as usize,
+            n_ff: d.ne[0] as usize,
+            expert_bytes: bytes,
+            host,
+            buffer: buffer_name(down),
+        });
+    }
+    out
+}
+
+/// Selections per tier summed over every tiered layer of every model (for /metrics).
+pub fn hits() -> [u64; 3] {
+    let mut out = [0u64; 3];
+    if let Ok(r) = REGISTRY.read() {
+        for lt in r.as_ref().into_iter().flat_map(HashMap::values) {
+            for (o, h) in out.iter_mut().zip(&lt.tally.hits) {
+                *o += h.load(Ordering::Relaxed);
+            }
+        }
+    }
+    out
+}
+
+/// Selections per (layer, expert) of `model` since it was attached, by layer.
+pub fn expert_counts(model: &Model) -> Vec<(i32, Vec<u64>)> {
+    let mut out: Vec<(i32, Vec<u64>)> = Vec::new();
+    if let Ok(r) = REGISTRY.read() {
+        for lt in r.as_ref().into_iter().flat_map(HashMap::values).filter(|lt| lt.model == model.as_ptr() as usize) {
+            out.push((lt.layer, lt.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).collect()));
+        }
+    }
+    out.sort_by_key(|(l, _)| *l);
+    out
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlaceError {
+    #[error("layer {0} has no routed-expert tensors")]
+    NoLayer(i32),
+    #[error("layer {layer}: expert {expert} out of range (the layer has {n_expert})")]
+    ExpertRange { layer: i32, expert: u32, n_expert: usize },
+    #[error("layer {layer}: the experts are in buffer {buffer}, which the host cannot read; load them on the CPU (strata-server adds --cpu-moe)")]
+    NotHost { layer: i32, buffer: String },
+    #[error("the CPU backend has no kernels for weight type {0}")]
+    NoCpuKernels(String),
+    #[error("layer {0}: unsupported MoE activation for expert tiers")]
+    Activation(i32),
+    #[error("allocating {what} ({bytes} bytes) on {device} failed")]
+    Alloc { what: String, bytes: u64, device: String },
+    #[error("the MoE hook could not be installed: {0}")]
+    Hook(#[from] crate::hooks::AbiMismatch),
+}
+
+/// The device for the hot tier: the `main_gpu`-th GPU, or the CPU when there is none.
+fn hot_device(main_gpu: usize) -> sys::ggml_backend_dev_t {
+    let mut gpus = Vec::new();
+    // SAFETY: enumerating registered devices has no preconditions.
+    unsafe {
+        for i in 0..sys::ggml_backend_dev_count() {
+            let d = sys::ggml_backend_dev_get(i);
+            if sys::ggml_backend_dev_type(d) == sys::GGML_BACKEND_DEVICE_TYPE_GPU {
+                gpus.push(d);
+            }
+        }
+        gpus.get(main_gpu).or(gpus.first()).copied().unwrap_or_else(|| sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU))
+    }
+}
+
+/// (free, total) bytes of the device that would hold the hot tier.
+pub fn hot_device_memory(main_gpu: usize) -> (u64, u64, String) {
+    let d = hot_device(main_gpu);
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid device and out pointers.
+    let name = unsafe {
+        sys::ggml_backend_dev_memory(d, &mut free, &mut total);
+        std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(d)).to_string_lossy().into_owned()
+    };
+    (free as u64, total as u64, name)
+}
+
+/// Whether the hot tier would live in device memory (a GPU is present).
+pub fn has_gpu() -> bool {
+    // SAFETY: no preconditions.
+    unsafe { sys::ggml_backend_dev_type(hot_device(0)) == sys::GGML_BACKEND_DEVICE_TYPE_GPU }
+}
+
+fn type_name(ty: sys::ggml_type) -> String {
+    // SAFETY: returns a static string for any type.
+    unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(ty)).to_string_lossy().into_owned() }
+}
+
+/// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
+/// buffer of `buft`.
+struct Alloc {
+    ctx: *mut sys::ggml_context,
+}
+
+impl Alloc {
+    fn new(n_tensors: usize) -> Self {
+        let params = sys::ggml_init_params {
+            // SAFETY: no preconditions.
+            mem_size: unsafe { sys::ggml_tensor_overhead() } * (n_tensors + 1),
+            mem_buffer: null_mut(),
+            no_alloc: true,
+        };
+        // SAFETY: valid params; no_alloc contexts only hold tensor metadata.
+        Self { ctx: unsafe { sys::ggml_init(params) } }
+    }
+
+    fn like(&self, src: T, n_slots: usize, name: &str) -> T {
+        // SAFETY: src is a live 3-d model tensor; ctx has room for the metadata.
+        unsafe {
+            let s = &*src;
+            let t = sys::ggml_new_tensor_3d(self.ctx, s.type_, s.ne[0], s.ne[1], n_slots as i64);
+            set_name(t, name);
+            t
+        }
+    }
+
+    fn map(&self, n_expert: usize, name: &str) -> T {
+        // SAFETY: ctx has room for the metadata.
+        unsafe {
+            let t = sys::ggml_new_tensor_2d(self.ctx, sys::GGML_TYPE_I32, 1, n_expert as i64);
+            set_name(t, name);
+            t
+        }
+    }
+
+    fn commit(self, buft: sys::ggml_backend_buffer_type_t, owned: &mut Owned, what: &str) -> Result<(), PlaceError> {
+        owned.ctxs.push(self.ctx);
+        // SAFETY: ctx holds only unallocated tensors; buft is a valid buffer type.
+        let (buf, bytes, device) = unsafe {
+            let bytes = sys::ggml_backend_alloc_ctx_tensors_from_buft_size(self.ctx, buft) as u64;
+            let buf = sys::ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft);
+            let device = std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(buft)).to_string_lossy().into_owned();
+            (buf, bytes, device)
+        };
+        if buf.is_null() {
+            return Err(PlaceError::Alloc { what: what.into(), bytes, device });
+        }
+        // SAFETY: valid buffer; weights usage makes the scheduler treat these as weights.
+        unsafe { sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS) };
+        owned.bufs.push(buf);
+        Ok(())
+    }
+}
+
+fn set_name(t: T, name: &str) {
+    if let Ok(c) = std::ffi::CString::new(name) {
+        // SAFETY: valid tensor; ggml copies the name.
+        unsafe { sys::ggml_set_name(t, c.as_ptr()) };
+    }
+}
+
+/// Copies expert `from` of `src` into slot `to` of `dst` (same shape but the expert count).
+fn copy_expert(src: T, from: usize, dst: T, to: usize) {
+    // SAFETY: src is a host-readable model tensor with > from experts; dst has > to slots and
+    // the same per-expert stride.
+    unsafe {
+        let nb2 = (*src).nb[2];
+        debug_assert_eq!(nb2, (*dst).nb[2]);
+        sys::ggml_backend_tensor_set(dst, (*src).data.cast::<u8>().add(from * nb2).cast(), to * nb2, nb2);
+    }
+}
+
+fn zero_expert(dst: T, slot: usize) {
+    // SAFETY: dst has > slot experts.
+    unsafe {
+        let nb2 = (*dst).nb[2];
+        sys::ggml_backend_tensor_memset(dst, 0, slot * nb2, nb2);
+    }
+}
+
+fn set_map(t: T, map: &[i32]) {
+    // SAFETY: t is an i32 tensor of map.len() elements.
+    unsafe { sys::ggml_backend_tensor_set(t, map.as_ptr().cast(), 0, std::mem::size_of_val(map)) };
+}
+
+/// Places `plan` on `model`: allocates and fills the hot tier (and the RAM copy), registers the
+/// layers with the MoE hook. Layers without an entry in the plan are left to llama.cpp. Call
+/// before the first graph that should use the tiers is built.
+pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, PlaceError> {
+    install_hook()?;
+    let layers = expert_layers(model);
+    let dev = hot_device(main_gpu);
+    // SAFETY: valid device.
+    let (hot_buft, dev_name) = unsafe {
+        (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned())
+    };
+    let cold_buft = match plan.cold {
+        ColdCopy::Mapped => None,
+        // SAFETY: the CPU device exists whenever the CPU backend is loaded.
+        ColdCopy::Ram => Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) }),
+        ColdCopy::PinnedRam => {
+            // SAFETY: valid device; NULL when it has no pinned host memory.
+            let b = unsafe { sys::ggml_backend_dev_host_buffer_type(dev) };
+            if b.is_null() {
+                return Err(PlaceError::Alloc { what: "page-locked RAM copy".into(), bytes: 0, device: dev_name });
+            }
+            Some(b)
+        }
+    };
+    let mut placement = Placement { hot_device: dev_name.clone(), ..Default::default() };
+    let mut entries = Vec::new();
+    for (il, hot_ids) in &plan.hot {
+        let info = layers.iter().find(|l| l.layer == *il).ok_or(PlaceError::NoLayer(*il))?;
+        let count_only = hot_ids.is_empty() && cold_buft.is_none();
+        if !info.host && !count_only {
+            return Err(PlaceError::NotHost { layer: *il, buffer: info.buffer.clone() });
+        }
+        let src = expert_tensors(model, *il).ok_or(PlaceError::NoLayer(*il))?;
+        let n_expert = info.n_expert;
+        let mut slot_of = vec![-1i32; n_expert];
+        for (slot, &e) in hot_ids.iter().enumerate() {
+            let cell = slot_of.get_mut(e as usize).ok_or(PlaceError::ExpertRange { layer: *il, expert: e, n_expert })?;
+            *cell = slot as i32;
+        }
+        let hot_list: Vec<usize> = slot_of.iter().enumerate().filter(|(_, s)| **s >= 0).map(|(e, _)| e).collect();
+        let n_hot = hot_list.len();
+        let cold_list: Vec<usize> = slot_of.iter().enumerate().filter(|(_, s)| **s < 0).map(|(e, _)| e).collect();
+        let mut owned = Owned::default();
+
+        let copy = cold_buft.filter(|_| !cold_list.is_empty());
+        let n_cold = cold_list.len();
+        // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
+        let a = Alloc::new(6);
+        let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + 1, &format!("blk.{il}.exps.hot")))).expect("infallible"));
+        let hot_map = hot_mats.as_ref().map(|_| a.map(n_expert, &format!("blk.{il}.exps.hot_map")));
+        let cold_map = copy.map(|_| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
+        if hot_map.is_some() || cold_map.is_some() {
+            a.commit(hot_buft, &mut owned, &format!("layer {il} hot experts"))?;
+        } else {
+            owned.ctxs.push(a.ctx);
+        }
+        // Host side: the RAM copy of the cold experts plus a zero pad expert.
+        let copy_mats = copy.map(|buft| -> Result<Mats<T>, PlaceError> {
+            let a = Alloc::new(4);
+            let mats = src.map(|t| Some(a.like(t, n_cold + 1, &format!("blk.{il}.exps.cold")))).expect("infallible");
+            a.commit(buft, &mut owned, &format!("layer {il} RAM copy of cold experts"))?;
+            Ok(mats)
+        });
+        let copy_mats = copy_mats.transpose()?;
+
+        let hot = match (hot_mats, hot_map) {
+            (Some(mats), Some(map)) => {
+                let mut slots = vec![n_hot as i32; n_expert];
+                for (slot, &e) in hot_list.iter().enumerate() {
+                    slots[e] = slot as i32;
+                    for (s, d) in src.iter().zip(mats.iter()) {
+                        copy_expert(s, e, d, slot);
+                    }
+                }
+                mats.iter().for_each(|d| zero_expert(d, n_hot));
+                set_map(map, &slots);
+                Some(Hot { mats, map })
+            }
+            _ => None,
+        };
+        let mut cold_rows = vec![-1i32; n_expert];
+        let (cold_tensors, cold_tier) = match (copy_mats, cold_map) {
+            (Some(mats), Some(map)) => {
+                let mut rows = vec![n_cold as i32; n_expert];
+                for (row, &e) in cold_list.iter().enumerate() {
+                    cold_rows[e] = row as i32;
+                    rows[e] = row as i32;
+                    for (s, d) in src.iter().zip(mats.iter()) {
+                        copy_expert(s, e, d, row);
+                    }
+                }
+                mats.iter().for_each(|d| zero_expert(d, n_cold));
+                set_map(map, &rows);
+                (mats, Tier::Ram)
+            }
+            _ => {
+                for &e in &cold_list {
+                    cold_rows[e] = e as i32;
+                }
+                (src, if info.buffer.contains("Mapped") { Tier::Mapped } else { Tier::Ram })
+            }
+        };
+        let cold = cold_tensors
+            .map(|t| {
+                // SAFETY: live tensor in a host buffer.
+                let (ty, data, nb1, nb2) = unsafe { ((*t).type_, (*t).data as *const u8, (*t).nb[1], (*t).nb[2]) };
+                Some(ColdMat { data, nb1, nb2, traits: CpuTraits::of(ty)? })
+            })
+            .ok_or_else(|| {
+                // SAFETY: live tensor.
+                let ty = unsafe { (*src.down.expect("down")).type_ };
+                PlaceError::NoCpuKernels(type_name(ty))
+            })?;
+
+        placement.experts[Tier::Hot as usize] += n_hot as u64;
+        placement.bytes[Tier::Hot as usize] += (n_hot * info.expert_bytes) as u64;
+        placement.experts[cold_tier as usize] += cold_list.len() as u64;
+        placement.bytes[cold_tier as usize] += (cold_list.len() * info.expert_bytes) as u64;
+        let key = src.down.map_or(0, |t| t as usize);
+        entries.push((key, Arc::new(LayerTiers {
+            model: model.as_ptr() as usize,
+            layer: *il,
+            n_embd: info.n_embd,
+            n_ff: info.n_ff,
+            activation: AtomicU8::new(Activation::Silu as u8),
+            hot,
+            cold_tensors,
+            cold,
+            cold_rows,
+            cold_map,
+            cold_tier,
+            cold_threads: plan.cold_threads,
+            tally: Tally::new(n_expert),
+            _owned: owned,
+        })));
+    }
+    let mut r = REGISTRY.write().expect("registry poisoned");
+    let map = r.get_or_insert_with(HashMap::new);
+    for (key, lt) in entries {
+        map.insert(key, lt);
+    }
+    Ok(placement)
+}
+
+/// Forgets every tier of `model` (also done when llama.cpp frees it).
+pub fn detach(model: &Model) {
+    MoeHooks.model_freed(model.as_ptr());
+}

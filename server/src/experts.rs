@@ -1,0 +1,405 @@
+//! MoE expert residency in strata-server: the engine flags of the seed, turned into a placement
+//! of every (layer, expert) in a tier (VRAM, RAM copy, file mapping), checked before use, logged
+//! at start-up and reported in /metrics.
+//!
+//! llama.cpp is asked to keep all routed experts on the host (`--cpu-moe`, no repacking, so
+//! their bytes stay in GGUF layout); after the first context exists, the hot tier is filled
+//! from the profile's ranking within the VRAM budget and the MoE hook takes over those layers.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use strata_ffi::moe::{self, ColdCopy, Placement, Tier};
+use strata_ffi::Model;
+use strata_residency::gguf::{self, ExpertLayout};
+use strata_residency::memguard::{self, CopyKind};
+use strata_residency::profile::Profile;
+
+use crate::flags::StrataArgs;
+
+/// The Strata flags this module implements.
+pub const FLAGS: [&str; 9] = [
+    "--mmap-experts",
+    "--resident-cpu-experts",
+    "--resident-experts",
+    "--expert-profile",
+    "--expert-profile-out",
+    "--expert-cache",
+    "--pool-workers",
+    "--pcie-frac",
+    "--vram-reserve-mib",
+];
+
+/// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
+/// GPU library's workspaces may grow past what the context reserved.
+const AUTO_MARGIN: u64 = 512 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheSize {
+    Auto,
+    Experts(u64),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertConfig {
+    pub mmap_experts: bool,
+    pub resident_cpu: bool,
+    pub pinned: bool,
+    pub profile: Option<PathBuf>,
+    pub cache: CacheSize,
+    pub pool_workers: i32,
+    pub vram_reserve_mib: u64,
+    pub pcie_frac: f64,
+    /// Write the counted selections as a ranked profile here after every request.
+    pub record: Option<PathBuf>,
+    /// Whether a hot tier is wanted (every expert flag but --expert-profile-out alone).
+    pub hot_tier: bool,
+}
+
+fn value<'a>(a: &'a StrataArgs, name: &str) -> Option<&'a str> {
+    a.values.iter().rev().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+}
+
+fn number<T: std::str::FromStr>(a: &StrataArgs, name: &str) -> Result<Option<T>, String> {
+    value(a, name)
+        .map(|v| v.trim().parse::<T>().map_err(|_| format!("error while handling argument \"{name}\": invalid value '{v}'")))
+        .transpose()
+}
+
+impl ExpertConfig {
+    /// The expert flags, or None when none is given (llama.cpp then places experts itself).
+    pub fn from_args(a: &StrataArgs) -> Result<Option<Self>, String> {
+        let has = |n: &str| value(a, n).is_some();
+        let hot_tier = ["--mmap-experts", "--resident-cpu-experts", "--resident-experts", "--expert-profile", "--expert-cache"].iter().any(|n| has(n));
+        if !hot_tier && !has("--expert-profile-out") {
+            return Ok(None);
+        }
+        let cache = match value(a, "--expert-cache") {
+            None | Some("auto") => CacheSize::Auto,
+            Some(v) => CacheSize::Experts(
+                v.parse().map_err(|_| format!("error while handling argument \"--expert-cache\": invalid value '{v}': expected auto or a number of experts"))?,
+            ),
+        };
+        let pinned = has("--resident-experts");
+        let cfg = ExpertConfig {
+            mmap_experts: has("--mmap-experts"),
+            resident_cpu: has("--resident-cpu-experts") || pinned,
+            pinned,
+            profile: value(a, "--expert-profile").map(PathBuf::from),
+            cache,
+            pool_workers: number(a, "--pool-workers")?.unwrap_or(0),
+            vram_reserve_mib: number(a, "--vram-reserve-mib")?.unwrap_or(0),
+            pcie_frac: number(a, "--pcie-frac")?.unwrap_or(0.0),
+            record: value(a, "--expert-profile-out").map(PathBuf::from),
+            hot_tier,
+        };
+        if !(0.0..=1.0).contains(&cfg.pcie_frac) {
+            return Err(format!("error while handling argument \"--pcie-frac\": {} is not between 0 and 1", cfg.pcie_frac));
+        }
+        if cfg.resident_cpu && cfg.profile.is_none() {
+            return Err("--resident-cpu-experts needs a fixed ranked --expert-profile (write one with tools/expert-profile)".into());
+        }
+        Ok(Some(cfg))
+    }
+
+    /// What llama.cpp must do for the tiers to work: experts on the host, in GGUF layout.
+    pub fn llama_args(&self) -> &'static [&'static str] {
+        if self.hot_tier {
+            &["--cpu-moe", "--no-repack"]
+        } else {
+            &[]
+        }
+    }
+
+    /// Flags accepted that do nothing yet in this build.
+    pub fn inert_flags(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.pcie_frac > 0.0 {
+            v.push(format!("--pcie-frac {} (misses are computed on the CPU; uploading them is not implemented yet)", self.pcie_frac));
+        }
+        v
+    }
+}
+
+/// What was checked before the model is loaded.
+pub struct Prepared {
+    cfg: ExpertConfig,
+    layout: ExpertLayout,
+    sha256: Option<String>,
+    profile: Option<Profile>,
+}
+
+/// Validates the model's expert tensors (and the profile against it) before llama.cpp maps them.
+pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<Prepared, String> {
+    if !use_mmap && (cfg.mmap_experts || cfg.resident_cpu) {
+        let flag = if cfg.mmap_experts { "--mmap-experts" } else { "--resident-cpu-experts" };
+        return Err(format!("{flag} needs the model file mapped: remove --no-mmap"));
+    }
+    let (info, layout) = gguf::validate(model_path).map_err(|e| format!("{}: {e}", model_path.display()))?;
+    if layout.layers.is_empty() {
+        return Err(format!("{}: the model has no routed-expert tensors; the expert flags need an MoE model", model_path.display()));
+    }
+    let sha256 = if cfg.profile.is_some() || cfg.record.is_some() {
+        Some(gguf::model_sha256(model_path, &info).map_err(|e| format!("{}: {e}", model_path.display()))?)
+    } else {
+        None
+    };
+    let profile = match &cfg.profile {
+        Some(p) => {
+            let bytes = std::fs::read(p).map_err(|e| format!("--expert-profile {}: {e}", p.display()))?;
+            let prof = Profile::parse(&bytes).map_err(|e| format!("--expert-profile {}: {e}", p.display()))?;
+            prof.check(&layout, sha256.as_deref().unwrap_or_default()).map_err(|e| format!("--expert-profile {}: {e}", p.display()))?;
+            Some(prof)
+        }
+        None => None,
+    };
+    Ok(Prepared { cfg: cfg.clone(), layout, sha256, profile })
+}
+
+/// The placement in effect, for /metrics and the per-step figures.
+struct Status {
+    placement: Placement,
+    totals: [u64; 3],
+    last_step: [u64; 3],
+    recorder: Option<Recorder>,
+}
+
+/// What --expert-profile-out needs to write a profile after each request.
+struct Recorder {
+    path: PathBuf,
+    model: Arc<Model>,
+    sha256: String,
+    layout: ExpertLayout,
+}
+
+static STATUS: Mutex<Option<Status>> = Mutex::new(None);
+
+fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// (layer, expert) in the order the hot tier is filled.
+fn ranking(p: &Prepared) -> Vec<(u32, u32)> {
+    if let Some(prof) = &p.profile {
+        return prof.ranked.iter().map(|e| (e.layer, e.expert)).collect();
+    }
+    let mut v = Vec::new();
+    for e in 0..p.layout.n_expert {
+        for l in &p.layout.layers {
+            v.push((l.layer, e));
+        }
+    }
+    v
+}
+
+/// Hot experts per layer: the ranking's head, within `budget` bytes and `max` experts; the
+/// first hot expert of a layer also pays for its zero pad expert.
+fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
+    let mut hot: Vec<(i32, Vec<u32>)> = p.layout.layers.iter().map(|l| (l.layer as i32, Vec::new())).collect();
+    let (mut used, mut n) = (0u64, 0u64);
+    for (layer, expert) in ranking(p) {
+        if n >= max {
+            break;
+        }
+        let Some(i) = p.layout.layers.iter().position(|l| l.layer == layer) else { continue };
+        let bytes = p.layout.layers[i].expert_bytes();
+        let cost = if hot[i].1.is_empty() { 2 * bytes } else { bytes };
+        if used + cost > budget {
+            break;
+        }
+        used += cost;
+        n += 1;
+        hot[i].1.push(expert);
+    }
+    hot
+}
+
+/// Places the experts of `model` per the prepared flags. Runs once, after the first context is
+/// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
+/// before any graph is computed.
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), String> {
+    let loaded = moe::expert_layers(model);
+    for l in &p.layout.layers {
+        let Some(m) = loaded.iter().find(|m| m.layer == l.layer as i32) else {
+            return Err(format!("llama.cpp did not load the experts of layer {}", l.layer));
+        };
+        if m.n_expert as u64 != u64::from(p.layout.n_expert) || m.expert_bytes as u64 != l.expert_bytes() {
+            return Err(format!(
+                "layer {}: llama.cpp holds {} experts of {} bytes, the file {} of {} bytes",
+                l.layer,
+                m.n_expert,
+                m.expert_bytes,
+                p.layout.n_expert,
+                l.expert_bytes()
+            ));
+        }
+    }
+    let cfg = &p.cfg;
+    let (free, total, dev) = moe::hot_device_memory(main_gpu);
+    let (budget, max) = if !cfg.hot_tier {
+        (0, 0)
+    } else {
+        match cfg.cache {
+            CacheSize::Experts(n) => (u64::MAX, n),
+            CacheSize::Auto if moe::has_gpu() => (free.saturating_sub(cfg.vram_reserve_mib << 20).saturating_sub(AUTO_MARGIN), u64::MAX),
+            CacheSize::Auto => (0, 0),
+        }
+    };
+    let hot = choose(p, budget, max);
+    let cold = match (cfg.resident_cpu, cfg.pinned) {
+        (false, _) => ColdCopy::Mapped,
+        (true, false) => ColdCopy::Ram,
+        (true, true) => ColdCopy::PinnedRam,
+    };
+    if cold != ColdCopy::Mapped {
+        let bytes: u64 = p
+            .layout
+            .layers
+            .iter()
+            .map(|l| {
+                let n_hot = hot.iter().find(|(il, _)| *il == l.layer as i32).map_or(0, |(_, h)| h.len() as u64);
+                (u64::from(p.layout.n_expert) - n_hot + 1) * l.expert_bytes()
+            })
+            .sum();
+        let root = std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from);
+        let kind = if cfg.pinned { CopyKind::PageLocked } else { CopyKind::Pageable };
+        let report = memguard::measure(&root).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
+        report.admit(bytes, kind).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
+        strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
+    }
+    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers };
+    let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
+
+    let n_pairs = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
+    let mut line = format!("srv  load_model: experts: {} MoE layers x {} experts;", p.layout.layers.len(), p.layout.n_expert);
+    for t in Tier::ALL {
+        let i = t as usize;
+        line += &format!(" {} {} ({})", t.name(), placement.experts[i], gib(placement.bytes[i]));
+        if t == Tier::Hot {
+            line += &format!(" on {}", placement.hot_device);
+        }
+        line += ",";
+    }
+    line.pop();
+    strata_ffi::log_info(&format!("{line}\n"));
+    let budget_note = match cfg.cache {
+        _ if !cfg.hot_tier => "counting selections only".into(),
+        CacheSize::Auto if moe::has_gpu() => {
+            format!("auto: {dev} {} free of {}, --vram-reserve-mib {}, margin {}", gib(free), gib(total), cfg.vram_reserve_mib, gib(AUTO_MARGIN))
+        }
+        CacheSize::Auto => "auto: no GPU, no hot tier".into(),
+        CacheSize::Experts(n) => format!("--expert-cache {n}"),
+    };
+    let hit_note = match &p.profile {
+        Some(prof) => {
+            let all: u64 = prof.ranked.iter().map(|e| e.hits).sum();
+            let hot_hits: u64 = prof.ranked.iter().take(placement.experts[Tier::Hot as usize] as usize).map(|e| e.hits).sum();
+            format!("profile hit rate of the hot tier {:.1}%", 100.0 * hot_hits as f64 / all.max(1) as f64)
+        }
+        None => "no --expert-profile: hot experts taken evenly per layer".into(),
+    };
+    strata_ffi::log_info(&format!(
+        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts on {} CPU workers\n",
+        placement.experts[Tier::Hot as usize],
+        if cfg.pool_workers > 0 { cfg.pool_workers.to_string() } else { "all".into() }
+    ));
+    let recorder = cfg.record.clone().map(|path| Recorder {
+        path,
+        model: model.clone(),
+        sha256: p.sha256.clone().unwrap_or_default(),
+        layout: p.layout.clone(),
+    });
+    *STATUS.lock().unwrap_or_else(|e| e.into_inner()) = Some(Status { placement, totals: moe::hits(), last_step: [0; 3], recorder });
+    Ok(())
+}
+
+/// Records the selections of the decode step just made (cheap: atomics of each tiered layer).
+pub fn after_step() {
+    let mut s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(st) = s.as_mut() {
+        let now = moe::hits();
+        for i in 0..3 {
+            st.last_step[i] = now[i].saturating_sub(st.totals[i]);
+        }
+        st.totals = now;
+    }
+}
+
+/// The `strata:*` lines appended to /metrics when experts are placed.
+pub fn metrics_text() -> String {
+    let s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(st) = s.as_ref() else { return String::new() };
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, vals: [u64; 3]| {
+        out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\n");
+        for t in Tier::ALL {
+            out += &format!("strata:{name}{{tier=\"{}\"}} {}\n", t.name(), vals[t as usize]);
+        }
+    };
+    family("experts_resident", "gauge", "Experts placed in each tier", st.placement.experts);
+    family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);
+    family("expert_selections_total", "counter", "Selected experts served from each tier", st.totals);
+    family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
+    out
+}
+
+/// After a request: with --expert-profile-out, rewrites the profile of the selections so far.
+pub fn request_done() {
+    let s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(r) = s.as_ref().and_then(|st| st.recorder.as_ref()) else { return };
+    if let Err(e) = write_profile(r) {
+        strata_ffi::log(strata_ffi::Verbosity::Error, &format!("srv  request_done: {e}\n"));
+    }
+}
+
+fn write_profile(r: &Recorder) -> Result<(), String> {
+    let counts: Vec<(u32, Vec<u64>)> = moe::expert_counts(&r.model).into_iter().map(|(l, c)| (l as u32, c)).collect();
+    let n_used = u64::from(r.layout.n_expert_used.max(1));
+    let tokens = counts.first().map_or(0, |(_, c)| c.iter().sum::<u64>() / n_used);
+    let prof = Profile::from_counts(
+        &r.sha256,
+        &r.layout.arch,
+        r.layout.n_layer,
+        r.layout.n_expert,
+        r.layout.n_expert_used,
+        tokens,
+        "strata-server --expert-profile-out",
+        &counts,
+    );
+    let tmp = r.path.with_extension("tmp");
+    std::fs::write(&tmp, prof.to_json())
+        .and_then(|_| std::fs::rename(&tmp, &r.path))
+        .map_err(|e| format!("--expert-profile-out {}: {e}", r.path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> StrataArgs {
+        let argv: Vec<String> = std::iter::once("strata-server").chain(v.iter().copied()).map(String::from).collect();
+        crate::flags::split(&argv).unwrap().0
+    }
+
+    #[test]
+    fn no_expert_flag_leaves_llama_cpp_alone() {
+        assert_eq!(ExpertConfig::from_args(&args(&["--pool-workers", "4"])).unwrap(), None);
+    }
+
+    #[test]
+    fn flags_parse_and_resident_needs_a_profile() {
+        let c = ExpertConfig::from_args(&args(&["--mmap-experts", "--expert-cache", "100", "--pool-workers", "15", "--vram-reserve-mib", "1024"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.cache, CacheSize::Experts(100));
+        assert_eq!((c.pool_workers, c.vram_reserve_mib), (15, 1024));
+        let e = ExpertConfig::from_args(&args(&["--resident-cpu-experts"])).unwrap_err();
+        assert!(e.contains("--expert-profile"), "{e}");
+        let e = ExpertConfig::from_args(&args(&["--expert-cache", "lots"])).unwrap_err();
+        assert!(e.contains("invalid value 'lots'"), "{e}");
+        let e = ExpertConfig::from_args(&args(&["--mmap-experts", "--pcie-frac", "2"])).unwrap_err();
+        assert!(e.contains("between 0 and 1"), "{e}");
+        let c = ExpertConfig::from_args(&args(&["--resident-experts", "--expert-profile", "p.json"])).unwrap().unwrap();
+        assert!(c.resident_cpu && c.pinned);
+    }
+}
