@@ -133,9 +133,14 @@ pub struct Prepared {
 pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<Prepared, String> {
     if !use_mmap && (cfg.mmap_experts || cfg.resident_cpu) {
         let flag = if cfg.mmap_experts { "--mmap-experts" } else { "--resident-cpu-experts" };
-        return Err(format!("{flag} needs the model file mapped: remove --no-mmap"));
+        return Err(format!("{flag} needs the model file mapped: use --load-mode mmap (or auto)"));
     }
-    let (info, layout) = gguf::validate(model_path).map_err(|e| format!("{}: {e}", model_path.display()))?;
+    let (info, layout) = gguf::validate(model_path).map_err(|e| match e {
+        gguf::GgufError::MissingKey(k) if k.ends_with(".expert_count") => {
+            format!("{}: the model has no routed experts ({k} is missing); the expert flags need an MoE model", model_path.display())
+        }
+        e => format!("{}: {e}", model_path.display()),
+    })?;
     if layout.layers.is_empty() {
         return Err(format!("{}: the model has no routed-expert tensors; the expert flags need an MoE model", model_path.display()));
     }

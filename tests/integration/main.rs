@@ -4,6 +4,7 @@
 mod chat;
 mod checkpoints;
 mod engine;
+mod experts;
 mod cli;
 mod fetch;
 mod gemma;

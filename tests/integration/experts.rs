@@ -1,0 +1,176 @@
+//! Expert tiers on the CPU: the split model (hot tier in host buffers, cold experts from the
+//! mapping or a RAM copy) against the unsplit one, and the errors for bad profiles and files.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use crate::support::{model, run_server, Server};
+
+const MODEL: &str = "tiny-qwen3moe-iq3.gguf";
+/// Largest |difference| of a top-3 log-probability between split and unsplit runs.
+const TOL: f64 = 1e-3;
+
+const SHORT: &str = "The tide came in over the rocks";
+const LONG: &str = "Write a long story about the sea and the ships that sail on it, with many details about the \
+                    sailors and their lives, their food, their songs, the storms they meet and the ports they reach.";
+
+fn generate(s: &Server, prompt: &str) -> Value {
+    let body = json!({"prompt": prompt, "n_predict": 48, "temperature": 0, "n_probs": 3, "cache_prompt": false,
+                      "ignore_eos": true, "return_tokens": true});
+    let (status, v) = s.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    v
+}
+
+/// Same tokens, and top-3 log-probabilities within TOL wherever both list the same token.
+fn assert_same(a: &Value, b: &Value, what: &str) {
+    assert_eq!(a["tokens"], b["tokens"], "{what}: greedy tokens differ");
+    let (pa, pb) = (a["completion_probabilities"].as_array().unwrap(), b["completion_probabilities"].as_array().unwrap());
+    assert_eq!(pa.len(), pb.len(), "{what}");
+    for (x, y) in pa.iter().zip(pb) {
+        for (ex, ey) in x["top_logprobs"].as_array().unwrap().iter().zip(y["top_logprobs"].as_array().unwrap()) {
+            if ex["id"] == ey["id"] {
+                let d = (ex["logprob"].as_f64().unwrap() - ey["logprob"].as_f64().unwrap()).abs();
+                assert!(d <= TOL, "{what}: log-probability differs by {d}: {ex} vs {ey}");
+            }
+        }
+    }
+}
+
+fn metric(s: &Server, name: &str, tier: &str) -> u64 {
+    let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    let key = format!("strata:{name}{{tier=\"{tier}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&key)).unwrap_or_else(|| panic!("no {key} in\n{text}")).parse().unwrap()
+}
+
+/// A cgroup-v2 fixture root for the memory guard: no limits, `avail_kib` of MemAvailable.
+fn guard_root(dir: &Path, avail_kib: u64) -> PathBuf {
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::fs::create_dir_all(root.join("sys/fs/cgroup")).unwrap();
+    std::fs::write(root.join("proc/self/cgroup"), "0::/\n").unwrap();
+    std::fs::write(root.join("proc/self/mountinfo"), "30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n").unwrap();
+    std::fs::write(root.join("proc/meminfo"), format!("MemTotal: {avail_kib} kB\nMemAvailable: {avail_kib} kB\n")).unwrap();
+    root
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("strata-experts-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Records a profile of MODEL with --expert-profile-out over two prompts.
+fn record_profile(dir: &Path) -> PathBuf {
+    let m = model(MODEL);
+    let out = dir.join("profile.json");
+    let s = Server::start(&["-m", m.to_str().unwrap(), "-c", "2048", "--expert-profile-out", out.to_str().unwrap()], &[]);
+    generate(&s, LONG);
+    generate(&s, SHORT);
+    drop(s);
+    out
+}
+
+#[test]
+fn split_experts_match_the_unsplit_model() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    // The reference without repacking, as the split run keeps every expert in GGUF layout.
+    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
+    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
+    drop(reference);
+
+    // Decode-sized batches: cold experts from the mapping, computed by the CPU kernels.
+    let mapped = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &[]);
+    assert_same(&ref_short, &generate(&mapped, SHORT), "mapped cold tier, short prompt");
+    assert_same(&ref_long, &generate(&mapped, LONG), "mapped cold tier, long prompt");
+    assert_eq!(metric(&mapped, "experts_resident", "vram"), 30);
+    assert_eq!(metric(&mapped, "experts_resident", "mmap"), 4 * 16 - 30);
+    assert!(metric(&mapped, "expert_selections_total", "vram") > 0);
+    assert!(metric(&mapped, "expert_selections_total", "mmap") > 0);
+    let log = mapped.log.lock().unwrap().clone();
+    assert!(log.contains("experts: 4 MoE layers x 16 experts; vram 30"), "{log}");
+    drop(mapped);
+
+    // A RAM copy from a recorded profile: prompt batches run the cold tier as mul_mat_id.
+    let dir = tmp("split");
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 64 << 20);
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())];
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+    let resident = Server::start(&args, &env);
+    assert_same(&ref_short, &generate(&resident, SHORT), "RAM copy, short prompt");
+    assert_same(&ref_long, &generate(&resident, LONG), "RAM copy, long prompt");
+    assert_eq!(metric(&resident, "experts_resident", "ram"), 4 * 16 - 24);
+    assert!(metric(&resident, "expert_selections_total", "ram") > 0);
+    let log = resident.log.lock().unwrap().clone();
+    assert!(log.contains("profile hit rate of the hot tier"), "{log}");
+    assert!(log.contains("host MemAvailable"), "{log}");
+}
+
+#[test]
+fn a_recorded_profile_ranks_every_expert_and_is_tied_to_the_model() {
+    let dir = tmp("profile");
+    let profile = record_profile(&dir);
+    let p: Value = serde_json::from_slice(&std::fs::read(&profile).unwrap()).unwrap();
+    assert_eq!(p["format"], "strata-expert-profile");
+    assert_eq!(p["model"]["n_expert"], 16);
+    let ranked = p["ranked"].as_array().unwrap();
+    assert_eq!(ranked.len(), 4 * 16);
+    let hits: Vec<u64> = ranked.iter().map(|e| e[2].as_u64().unwrap()).collect();
+    assert!(hits.windows(2).all(|w| w[0] >= w[1]), "not ranked: {hits:?}");
+    assert!(p["tokens"].as_u64().unwrap() > 48);
+
+    // The same profile on another model of the same shape is refused, naming both hashes.
+    let other = model("tiny-qwen3moe.gguf");
+    let out = run_server(&["-m", other.to_str().unwrap(), "--port", "0", "--mmap-experts", "--expert-profile", profile.to_str().unwrap()], &[]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("--expert-profile") && out.stderr.contains("made for another model"), "{}", out.stderr);
+}
+
+#[test]
+fn bad_expert_inputs_get_clear_errors() {
+    let dir = tmp("bad");
+    let m = model(MODEL);
+    let ms = m.to_str().unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut all = vec!["--port", "0"];
+        all.extend_from_slice(args);
+        let out = run_server(&all, env);
+        assert_ne!(out.status, 0, "{args:?} should fail:\n{}", out.stderr);
+        out.stderr
+    };
+
+    let e = run(&["-m", ms, "--resident-cpu-experts"], &[]);
+    assert!(e.contains("needs a fixed ranked --expert-profile"), "{e}");
+    let e = run(&["-m", ms, "--mmap-experts", "--load-mode", "none"], &[]);
+    assert!(e.contains("needs the model file mapped"), "{e}");
+
+    let garbage = dir.join("garbage.json");
+    std::fs::write(&garbage, b"{\"format\": \"strata-expert-profile\", \"version\": 7}").unwrap();
+    let e = run(&["-m", ms, "--expert-profile", garbage.to_str().unwrap()], &[]);
+    assert!(e.contains("version 7 is not supported"), "{e}");
+
+    // A truncated file: the header still parses, an expert tensor runs past the end.
+    let bytes = std::fs::read(&m).unwrap();
+    let cut = dir.join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() - 4096]).unwrap();
+    let e = run(&["-m", cut.to_str().unwrap(), "--mmap-experts"], &[]);
+    assert!(e.contains("runs past the end of the file"), "{e}");
+
+    // A dense model has no experts to place.
+    let dense = model("tiny-llama.gguf");
+    let e = run(&["-m", dense.to_str().unwrap(), "--mmap-experts"], &[]);
+    assert!(e.contains("the model has no routed experts"), "{e}");
+
+    // The memory guard refuses a RAM copy that does not fit beside 8 GiB of headroom.
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 4 << 20);
+    let e = run(
+        &["-m", ms, "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap()],
+        &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())],
+    );
+    assert!(e.contains("--resident-cpu-experts") && e.contains("headroom"), "{e}");
+}
