@@ -100,14 +100,20 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let prompt = n_tok >= OFFLOAD_MIN_BATCH;
     let cold_threads = if lt.cold_threads > 0 { lt.cold_threads } else { sys::GGML_N_TASKS_MAX };
 
-    let Some(hot) = &lt.hot else {
-        let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
+    // The counting op runs on the CPU; a host weight among its sources places it there directly.
+    let count = || {
+        let mut srcs = vec![sel];
+        // SAFETY: the cold down tensor is a live weight tensor.
+        srcs.extend(lt.cold_tensors.down.filter(|&t| unsafe { !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer) }));
+        let c = g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt);
         g.expand(c);
+    };
+    let Some(hot) = &lt.hot else {
+        count();
         return None;
     };
     if prompt && lt.cold_map.is_none() {
-        let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
-        g.expand(c);
+        count();
         return None;
     }
 
@@ -117,8 +123,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
 
     let down_cold = match lt.cold_map {
         Some(map) if prompt => {
-            let c = g.custom([1, 1, 1], &mut [sel], Some(kernels::count), 1, lt);
-            g.expand(c);
+            count();
             let cold_ids = g.remap(map, sel);
             g.ffn(&lt.cold_tensors, cold_ids, act)?
         }
