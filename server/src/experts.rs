@@ -272,7 +272,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         report.admit(bytes, kind).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
-    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers };
+    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers, count_only: !cfg.hot_tier };
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
 
     let n_pairs = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);

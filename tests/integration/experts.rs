@@ -94,6 +94,15 @@ fn split_experts_match_the_unsplit_model() {
     assert!(log.contains("experts: 4 MoE layers x 16 experts; vram 30"), "{log}");
     drop(mapped);
 
+    // No hot tier: every expert through the CPU kernels; and every expert hot: no cold path.
+    for (cache, what) in [("0", "all cold"), ("64", "all hot")] {
+        let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", cache], &[]);
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        let served = if cache == "0" { "mmap" } else { "vram" };
+        assert!(metric(&s, "expert_selections_total", served) > 0, "{what}");
+    }
+
     // A RAM copy from a recorded profile: prompt batches run the cold tier as mul_mat_id.
     let dir = tmp("split");
     let profile = record_profile(&dir);

@@ -87,7 +87,8 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 }
 
 /// The tiered layer's weighted expert sum [n_embd, n_tok], or None to let llama.cpp build it
-/// (unsupported activation, a layer only being counted, or a prompt batch without a RAM copy).
+/// (unsupported activation, a layer only being counted, or a prompt batch with cold experts but
+/// no RAM copy).
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
@@ -108,24 +109,24 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let c = g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt);
         g.expand(c);
     };
-    let Some(hot) = &lt.hot else {
-        count();
-        return None;
-    };
-    if prompt && lt.cold_map.is_none() {
+    if lt.count_only || (prompt && lt.n_cold > 0 && lt.cold_map.is_none()) {
         count();
         return None;
     }
 
-    let hot_ids = g.remap(hot.map, sel);
-    let down_hot = g.ffn(&hot.mats, hot_ids, act)?;
-    g.expand(down_hot);
-
+    let down_hot = lt.hot.as_ref().and_then(|hot| {
+        let d = g.ffn(&hot.mats, g.remap(hot.map, sel), act)?;
+        g.expand(d);
+        Some(d)
+    });
     let down_cold = match lt.cold_map {
+        _ if lt.n_cold == 0 => {
+            count();
+            None
+        }
         Some(map) if prompt => {
             count();
-            let cold_ids = g.remap(map, sel);
-            g.ffn(&lt.cold_tensors, cold_ids, act)?
+            g.ffn(&lt.cold_tensors, g.remap(map, sel), act)
         }
         _ => {
             let mut a_srcs = vec![args.cur, sel];
@@ -133,13 +134,19 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), cold_threads, lt);
             let mut b_srcs = vec![h, sel];
             b_srcs.extend(lt.cold_tensors.down);
-            g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), cold_threads, lt)
+            Some(g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), cold_threads, lt))
         }
+    };
+    let experts = match (down_hot, down_cold) {
+        // SAFETY: both are [n_embd, n_used, n_tok] graph tensors.
+        (Some(h), Some(c)) => unsafe { sys::ggml_add(g.ctx, h, c) },
+        (Some(h), None) => h,
+        (None, Some(c)) => c,
+        (None, None) => return None,
     };
 
     // SAFETY: graph tensors of matching shapes; the sum mirrors llama.cpp's build_moe_ffn.
     unsafe {
-        let experts = sys::ggml_add(g.ctx, down_hot, down_cold);
         let experts = sys::ggml_mul(g.ctx, experts, args.weights);
         g.expand(experts);
         let view = |i: i64| sys::ggml_view_2d(g.ctx, experts, n_embd, n_tok, (*experts).nb[2], i as usize * (*experts).nb[1]);

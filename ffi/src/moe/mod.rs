@@ -90,6 +90,8 @@ pub struct Plan {
     pub cold: ColdCopy,
     /// Threads for the cold kernels in decode (<= 0: all of the CPU backend's threads).
     pub cold_threads: i32,
+    /// Only count selections (profile recording); llama.cpp computes every layer as usual.
+    pub count_only: bool,
 }
 
 /// Experts and bytes per tier after placement.
@@ -162,7 +164,10 @@ pub(crate) struct LayerTiers {
     /// expert -> row in the cold tensors, the pad row for hot experts; only with a RAM copy.
     pub cold_map: Option<T>,
     pub cold_tier: Tier,
+    /// Experts in the cold tier (0: the hot tier holds the whole layer).
+    pub n_cold: usize,
     pub cold_threads: i32,
+    pub count_only: bool,
     pub tally: Tally,
     _owned: Owned,
 }
@@ -487,8 +492,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let mut entries = Vec::new();
     for (il, hot_ids) in &plan.hot {
         let info = layers.iter().find(|l| l.layer == *il).ok_or(PlaceError::NoLayer(*il))?;
-        let count_only = hot_ids.is_empty() && cold_buft.is_none();
-        if !info.host && !count_only {
+        if !info.host && !plan.count_only {
             return Err(PlaceError::NotHost { layer: *il, buffer: info.buffer.clone() });
         }
         let src = expert_tensors(model, *il).ok_or(PlaceError::NoLayer(*il))?;
@@ -590,7 +594,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             cold_rows,
             cold_map,
             cold_tier,
+            n_cold: cold_list.len(),
             cold_threads: plan.cold_threads,
+            count_only: plan.count_only,
             tally: Tally::new(n_expert),
             _owned: owned,
         })));
