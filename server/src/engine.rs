@@ -1825,9 +1825,13 @@ impl<'m> Engine<'m> {
                 softmax_top(self.ctx.logits_ith(i).unwrap_or(&[]), n, token)
             };
             let top = ranked.iter().take(n).map(|&(t, p)| (t, vocab.token_to_piece(t, false), p)).collect();
-            TokenProbs { token, piece: piece.clone(), prob, top }
+            TokenProbs { token, piece: Vec::new(), prob, top }
         });
-        let text = a.gen.push(&piece, is_eog);
+        let sent = a.gen.push(&piece, is_eog);
+        // As llama-server: a token's entry carries the text sent with it, which may include the
+        // bytes of tokens held back inside a UTF-8 character (those get no entry of their own).
+        let probs = probs.filter(|_| sent.is_some()).map(|p| TokenProbs { piece: sent.clone().unwrap_or_default(), ..p });
+        let text = sent.clone().unwrap_or_default();
         a.tokens.push(token);
 
         if !a.gen.finished() {
@@ -1847,7 +1851,7 @@ impl<'m> Engine<'m> {
             a.gen.stop = StopType::Eos;
         }
         let n_prompt = a.task.prompt.len();
-        if a.task.params.stream {
+        if a.task.params.stream && sent.is_some() {
             let partial = Partial {
                 index: a.task.index,
                 content: String::from_utf8_lossy(&text).into_owned(),

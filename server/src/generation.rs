@@ -97,11 +97,13 @@ impl Generation {
         best
     }
 
-    /// Adds one sampled token's text; returns the bytes that may be sent to the client now.
-    pub fn push(&mut self, piece: &[u8], is_eog: bool) -> Vec<u8> {
+    /// Adds one sampled token's text; returns the bytes that may be sent to the client now, or
+    /// None while the text ends inside a UTF-8 character (llama-server then reports nothing for
+    /// the token: no stream chunk, no probabilities; the next token carries its bytes).
+    pub fn push(&mut self, piece: &[u8], is_eog: bool) -> Option<Vec<u8>> {
         self.text.extend_from_slice(piece);
         if complete_utf8_len(&self.text) < self.text.len() {
-            return Vec::new();
+            return None;
         }
         let pos = self.n_sent.min(self.text.len());
         let unsent = self.text[pos..].to_vec();
@@ -112,7 +114,7 @@ impl Generation {
             send = false;
         }
         if !send {
-            return Vec::new();
+            return Some(Vec::new());
         }
         let pos = self.n_sent.min(self.text.len());
         let out = self.text[pos..].to_vec();
@@ -120,7 +122,7 @@ impl Generation {
         if out.contains(&b'\n') {
             self.has_new_line = true;
         }
-        out
+        Some(out)
     }
 
     pub fn finished(&self) -> bool {
@@ -138,7 +140,7 @@ mod tests {
 
     fn run(stops: &[&str], pieces: &[&str]) -> (Vec<String>, Generation) {
         let mut g = Generation::new(stops.iter().map(|s| s.to_string()).collect());
-        let sent = pieces.iter().map(|p| String::from_utf8(g.push(p.as_bytes(), false)).unwrap()).collect();
+        let sent = pieces.iter().map(|p| String::from_utf8(g.push(p.as_bytes(), false).unwrap()).unwrap()).collect();
         (sent, g)
     }
 
@@ -177,8 +179,8 @@ mod tests {
     fn incomplete_utf8_is_held_back() {
         let mut g = Generation::new(vec![]);
         let e = "é".as_bytes();
-        assert_eq!(g.push(&e[..1], false), b"");
-        assert_eq!(g.push(&e[1..], false), e);
+        assert_eq!(g.push(&e[..1], false), None);
+        assert_eq!(g.push(&e[1..], false).as_deref(), Some(e));
         assert_eq!(complete_utf8_len(&[b'a', 0xF0, 0x9F]), 1);
         assert_eq!(complete_utf8_len("ab€".as_bytes()), 5);
     }

@@ -424,3 +424,35 @@ fn context_shift_keeps_generating_past_a_full_context() {
     assert_eq!(body["truncated"], true);
     assert!(body["timings"]["predicted_n"].as_u64().unwrap() < 256, "{body}");
 }
+
+/// A token that ends inside a UTF-8 character gets no probabilities entry and no stream chunk of
+/// its own: as in llama-server, the next token's entry carries its bytes.
+#[test]
+fn tokens_inside_a_utf8_character_report_with_the_next_one() {
+    let m = model("tiny-qwen3moe-iq3.gguf");
+    let s = Server::start(&["-m", m.to_str().unwrap(), "-c", "2048"], &[]);
+    // With this prompt the model writes a token ending in the first two bytes of a 3-byte character.
+    let src = std::fs::read(std::path::Path::new(strata_ffi::LLAMA_SRC_DIR).join("src/llama-batch.h")).unwrap();
+    let prompt = String::from_utf8_lossy(&src[..3000]).into_owned();
+    let body = json!({"prompt": prompt, "n_predict": 128, "temperature": 0, "n_probs": 2, "ignore_eos": true,
+                      "return_tokens": true, "cache_prompt": false});
+    let (status, v) = s.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    let probs = v["completion_probabilities"].as_array().unwrap();
+    let n_tokens = v["tokens"].as_array().unwrap().len();
+    assert!(probs.len() < n_tokens, "no token was held back ({} entries, {n_tokens} tokens): the test needs another prompt", probs.len());
+    let mut all = Vec::new();
+    for p in probs {
+        let bytes: Vec<u8> = p["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8).collect();
+        let tail = std::str::from_utf8(&bytes).err().and_then(|e| e.error_len().is_none().then_some(e.valid_up_to()));
+        assert!(tail.is_none(), "entry {p} ends inside a UTF-8 character");
+        all.extend(bytes);
+    }
+    assert_eq!(String::from_utf8_lossy(&all), v["content"].as_str().unwrap());
+
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let chunks = s.post_stream("/completion", &stream);
+    let partials = chunks.iter().filter(|c| c["stop"] == false).count();
+    assert_eq!(partials, probs.len(), "one stream chunk per reported token");
+}
