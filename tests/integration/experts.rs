@@ -183,3 +183,20 @@ fn bad_expert_inputs_get_clear_errors() {
     );
     assert!(e.contains("--resident-cpu-experts") && e.contains("headroom"), "{e}");
 }
+
+/// The MTP head's layer has experts too: it is tiered like the trunk, and drafting with it keeps
+/// the greedy output of the unsplit model.
+#[test]
+fn mtp_drafting_over_tiered_experts_keeps_the_output() {
+    let m = model("tiny-qwen35moe-mtp.gguf");
+    let m = m.to_str().unwrap();
+    let reference = Server::start(&["-m", m, "-c", "4096", "--no-repack", "--spec-type", "draft-mtp"], &[]);
+    let want = generate(&reference, LONG);
+    drop(reference);
+    let s = Server::start(&["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--mmap-experts", "--expert-cache", "20"], &[]);
+    let got = generate(&s, LONG);
+    assert_same(&want, &got, "MTP drafting over tiers");
+    assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("experts: 5 MoE layers x 16 experts"), "{log}");
+}

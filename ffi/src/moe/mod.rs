@@ -270,8 +270,8 @@ fn buffer_name(t: T) -> String {
 
 /// The model's MoE layers (those with routed-expert tensors), in layer order.
 pub fn expert_layers(model: &Model) -> Vec<ExpertLayer> {
-    // SAFETY: valid model.
-    let n_layer = unsafe { sys::llama_model_n_layer(model.as_ptr()) };
+    // SAFETY: valid model. NextN (MTP) layers follow the trunk and may have experts too.
+    let n_layer = unsafe { sys::llama_model_n_layer(model.as_ptr()) + sys::llama_model_n_layer_nextn(model.as_ptr()) };
     let mut out = Vec::new();
     for il in 0..n_layer.max(0) {
         let Some(m) = expert_tensors(model, il) else { continue };
