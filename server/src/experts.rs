@@ -219,6 +219,19 @@ fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
     hot
 }
 
+/// Per layer, the first cold expert of the ranking (the one prompt batches upload anyway).
+fn stand_ins(p: &Prepared, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, u32)> {
+    let mut out: Vec<(i32, u32)> = Vec::new();
+    for (layer, expert) in ranking(p) {
+        let il = layer as i32;
+        let is_hot = hot.iter().any(|(l, h)| *l == il && h.contains(&expert));
+        if !is_hot && !out.iter().any(|(l, _)| *l == il) {
+            out.push((il, expert));
+        }
+    }
+    out
+}
+
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
 /// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
 /// before any graph is computed.
@@ -272,7 +285,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         report.admit(bytes, kind).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
-    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers, count_only: !cfg.hot_tier };
+    let stand_in = stand_ins(p, &hot);
+    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers, count_only: !cfg.hot_tier, stand_in };
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
 
     let n_pairs = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);

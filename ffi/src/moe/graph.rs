@@ -40,7 +40,7 @@ impl G<'_> {
         }
     }
 
-    /// map[ids] for an i32 expert map [1, n_expert] and contiguous ids [n_used, n_tok].
+    /// map[ids] for an expert map [1, n_expert] (i32 or f32) and contiguous ids [n_used, n_tok].
     fn remap(&self, map: T, ids: T) -> T {
         // SAFETY: map is [1, n_expert] i32, ids is contiguous [n_used, n_tok] i32.
         unsafe {
@@ -126,7 +126,15 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         }
         Some(map) if prompt => {
             count();
-            g.ffn(&lt.cold_tensors, g.remap(map, sel), act)
+            let c = g.ffn(&lt.cold_tensors, g.remap(map, sel), act)?;
+            Some(match lt.cold_mask {
+                // SAFETY: mask is [1, n_expert] f32; the product broadcasts over n_embd.
+                Some(mask) => unsafe {
+                    let keep = sys::ggml_reshape_3d(g.ctx, g.remap(mask, sel), 1, n_used, n_tok);
+                    sys::ggml_mul(g.ctx, c, keep)
+                },
+                None => c,
+            })
         }
         _ => {
             let mut a_srcs = vec![args.cur, sel];

@@ -8,8 +8,8 @@
 //!
 //! Decode-sized batches compute cold experts with CPU kernels (kernels.rs). Prompt batches
 //! (>= [`OFFLOAD_MIN_BATCH`] tokens) run the cold tier as a mul_mat_id on its host tensors, which
-//! ggml's scheduler offloads to the GPU copying only the experts used; that needs a pad expert
-//! in the cold tensors, i.e. the RAM copy. Without it such batches take llama.cpp's own path.
+//! ggml's scheduler offloads to the GPU copying only the experts used; hot selections go to the
+//! RAM copy's zero pad expert, or with the mapping to a stand-in cold expert masked to zero.
 
 mod graph;
 mod kernels;
@@ -92,6 +92,10 @@ pub struct Plan {
     pub cold_threads: i32,
     /// Only count selections (profile recording); llama.cpp computes every layer as usual.
     pub count_only: bool,
+    /// Per layer, the cold expert that prompt batches compute (masked out) in place of hot ones
+    /// when the cold tier is the mapping: best the most-selected cold one, which such a batch
+    /// uploads anyway. Layers not listed use their lowest-numbered cold expert.
+    pub stand_in: Vec<(i32, u32)>,
 }
 
 /// Experts and bytes per tier after placement.
@@ -161,8 +165,11 @@ pub(crate) struct LayerTiers {
     pub cold: Mats<ColdMat>,
     /// expert -> row in the cold tensors, or -1 for a hot expert.
     cold_rows: Vec<i32>,
-    /// expert -> row in the cold tensors, the pad row for hot experts; only with a RAM copy.
+    /// expert -> row in the cold tensors for prompt batches: hot experts go to the pad row of the
+    /// RAM copy, or with the mapping to a stand-in cold expert whose result `cold_mask` zeroes.
     pub cold_map: Option<T>,
+    /// expert -> 1.0 (cold) or 0.0 (hot), f32; only when the cold tier is the mapping.
+    pub cold_mask: Option<T>,
     pub cold_tier: Tier,
     /// Experts in the cold tier (0: the hot tier holds the whole layer).
     pub n_cold: usize,
@@ -414,6 +421,15 @@ impl Alloc {
         }
     }
 
+    fn mask(&self, n_expert: usize, name: &str) -> T {
+        // SAFETY: ctx has room for the metadata.
+        unsafe {
+            let t = sys::ggml_new_tensor_2d(self.ctx, sys::GGML_TYPE_F32, 1, n_expert as i64);
+            set_name(t, name);
+            t
+        }
+    }
+
     fn commit(self, buft: sys::ggml_backend_buffer_type_t, owned: &mut Owned, what: &str) -> Result<(), PlaceError> {
         owned.ctxs.push(self.ctx);
         // SAFETY: ctx holds only unallocated tensors; buft is a valid buffer type.
@@ -457,6 +473,11 @@ fn zero_expert(dst: T, slot: usize) {
         let nb2 = (*dst).nb[2];
         sys::ggml_backend_tensor_memset(dst, 0, slot * nb2, nb2);
     }
+}
+
+fn set_mask(t: T, mask: &[f32]) {
+    // SAFETY: t is an f32 tensor of mask.len() elements.
+    unsafe { sys::ggml_backend_tensor_set(t, mask.as_ptr().cast(), 0, std::mem::size_of_val(mask)) };
 }
 
 fn set_map(t: T, map: &[i32]) {
@@ -510,10 +531,12 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let copy = cold_buft.filter(|_| !cold_list.is_empty());
         let n_cold = cold_list.len();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
-        let a = Alloc::new(6);
+        let a = Alloc::new(7);
         let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + 1, &format!("blk.{il}.exps.hot")))).expect("infallible"));
         let hot_map = hot_mats.as_ref().map(|_| a.map(n_expert, &format!("blk.{il}.exps.hot_map")));
-        let cold_map = copy.map(|_| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
+        let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
+        let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
+        let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
         if hot_map.is_some() || cold_map.is_some() {
             a.commit(hot_buft, &mut owned, &format!("layer {il} hot experts"))?;
         } else {
@@ -558,9 +581,17 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 set_map(map, &rows);
                 (mats, Tier::Ram)
             }
-            _ => {
+            (_, map) => {
                 for &e in &cold_list {
                     cold_rows[e] = e as i32;
+                }
+                if let (Some(map), Some(mask)) = (map, cold_mask) {
+                    let listed = plan.stand_in.iter().find(|(l, _)| l == il).map(|&(_, e)| e as usize);
+                    let stand_in = listed.filter(|&e| cold_rows.get(e).is_some_and(|&r| r >= 0)).unwrap_or(cold_list[0]);
+                    let rows: Vec<i32> = cold_rows.iter().map(|&r| if r >= 0 { r } else { stand_in as i32 }).collect();
+                    let keep: Vec<f32> = cold_rows.iter().map(|&r| if r >= 0 { 1.0 } else { 0.0 }).collect();
+                    set_map(map, &rows);
+                    set_mask(mask, &keep);
                 }
                 (src, if info.buffer.contains("Mapped") { Tier::Mapped } else { Tier::Ram })
             }
@@ -593,6 +624,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             cold,
             cold_rows,
             cold_map,
+            cold_mask,
             cold_tier,
             n_cold: cold_list.len(),
             cold_threads: plan.cold_threads,
