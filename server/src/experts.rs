@@ -287,7 +287,9 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
     }
     let stand_in = stand_ins(p, &hot);
     let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers, count_only: !cfg.hot_tier, stand_in };
+    let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
+    let place_s = t0.elapsed().as_secs_f64();
 
     let n_pairs = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
     let mut line = format!("srv  load_model: experts: {} MoE layers x {} experts;", p.layout.layers.len(), p.layout.n_expert);
@@ -318,7 +320,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
     strata_ffi::log_info(&format!(
-        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts on {} CPU workers\n",
+        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts on {} CPU workers; placed in {place_s:.1} s\n",
         placement.experts[Tier::Hot as usize],
         if cfg.pool_workers > 0 { cfg.pool_workers.to_string() } else { "all".into() }
     ));

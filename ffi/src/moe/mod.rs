@@ -456,14 +456,25 @@ fn set_name(t: T, name: &str) {
     }
 }
 
-/// Copies expert `from` of `src` into slot `to` of `dst` (same shape but the expert count).
-fn copy_expert(src: T, from: usize, dst: T, to: usize) {
-    // SAFETY: src is a host-readable model tensor with > from experts; dst has > to slots and
-    // the same per-expert stride.
-    unsafe {
-        let nb2 = (*src).nb[2];
-        debug_assert_eq!(nb2, (*dst).nb[2]);
-        sys::ggml_backend_tensor_set(dst, (*src).data.cast::<u8>().add(from * nb2).cast(), to * nb2, nb2);
+/// Copies experts `order[i]` of each source matrix into slot i of its destination (same shape
+/// but the expert count), one transfer per run of consecutive experts.
+fn copy_experts(src: &Mats<T>, dst: &Mats<T>, order: &[usize]) {
+    let mut i = 0;
+    while i < order.len() {
+        let mut n = 1;
+        while i + n < order.len() && order[i + n] == order[i] + n {
+            n += 1;
+        }
+        for (s, d) in src.iter().zip(dst.iter()) {
+            // SAFETY: s is a host-readable model tensor holding experts order[i]..order[i]+n; d has
+            // slots i..i+n and the same per-expert stride.
+            unsafe {
+                let nb2 = (*s).nb[2];
+                debug_assert_eq!(nb2, (*d).nb[2]);
+                sys::ggml_backend_tensor_set(d, (*s).data.cast::<u8>().add(order[i] * nb2).cast(), i * nb2, n * nb2);
+            }
+        }
+        i += n;
     }
 }
 
@@ -556,10 +567,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 let mut slots = vec![n_hot as i32; n_expert];
                 for (slot, &e) in hot_list.iter().enumerate() {
                     slots[e] = slot as i32;
-                    for (s, d) in src.iter().zip(mats.iter()) {
-                        copy_expert(s, e, d, slot);
-                    }
                 }
+                copy_experts(&src, &mats, &hot_list);
                 mats.iter().for_each(|d| zero_expert(d, n_hot));
                 set_map(map, &slots);
                 Some(Hot { mats, map })
@@ -573,10 +582,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 for (row, &e) in cold_list.iter().enumerate() {
                     cold_rows[e] = row as i32;
                     rows[e] = row as i32;
-                    for (s, d) in src.iter().zip(mats.iter()) {
-                        copy_expert(s, e, d, row);
-                    }
                 }
+                copy_experts(&src, &mats, &cold_list);
                 mats.iter().for_each(|d| zero_expert(d, n_cold));
                 set_map(map, &rows);
                 (mats, Tier::Ram)
