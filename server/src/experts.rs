@@ -320,9 +320,9 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
     strata_ffi::log_info(&format!(
-        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts on {} CPU workers; placed in {place_s:.1} s\n",
+        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s\n",
         placement.experts[Tier::Hot as usize],
-        if cfg.pool_workers > 0 { cfg.pool_workers.to_string() } else { "all".into() }
+        if cfg.pool_workers > 0 { format!("a pool of {} workers", cfg.pool_workers) } else { "the CPU backend's threads".into() }
     ));
     let recorder = cfg.record.clone().map(|path| Recorder {
         path,

@@ -107,6 +107,14 @@ fn split_experts_match_the_unsplit_model() {
         assert!(metric(&s, "expert_selections_total", served) > 0, "{what}");
     }
 
+    // Cold experts of decode batches on a dedicated worker pool (launch, then join after the hot tier).
+    let pooled = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2"], &[]);
+    assert_same(&ref_short, &generate(&pooled, SHORT), "worker pool, short prompt");
+    assert_same(&ref_long, &generate(&pooled, LONG), "worker pool, long prompt");
+    let log = pooled.log.lock().unwrap().clone();
+    assert!(log.contains("cold experts in decode on a pool of 2 workers"), "{log}");
+    drop(pooled);
+
     // A RAM copy from a recorded profile: prompt batches run the cold tier as mul_mat_id.
     let dir = tmp("split");
     let profile = record_profile(&dir);

@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
+use super::{kernels, pool, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
 use crate::sys;
 
 struct G<'a> {
@@ -99,7 +99,6 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // SAFETY: selected_experts is a live i32 tensor [n_used, n_tok] (possibly a view).
     let sel = unsafe { sys::ggml_cont(g.ctx, args.selected_experts) };
     let prompt = n_tok >= OFFLOAD_MIN_BATCH;
-    let cold_threads = if lt.cold_threads > 0 { lt.cold_threads } else { sys::GGML_N_TASKS_MAX };
 
     // The counting op runs on the CPU; a host weight among its sources places it there directly.
     let count = || {
@@ -114,6 +113,14 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         return None;
     }
 
+    // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
+    let ticket = (!prompt && lt.n_cold > 0 && lt.cold_threads > 0).then(|| {
+        let mut srcs = vec![args.cur, sel];
+        srcs.extend([lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten());
+        let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
+        g.expand(t);
+        t
+    });
     let down_hot = lt.hot.as_ref().and_then(|hot| {
         let d = g.ffn(&hot.mats, g.remap(hot.map, sel), act)?;
         g.expand(d);
@@ -136,13 +143,14 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
                 None => c,
             })
         }
+        _ if ticket.is_some() => Some(g.custom([n_embd, n_used, n_tok], &mut [ticket.unwrap()], Some(pool::join), 1, lt)),
         _ => {
             let mut a_srcs = vec![args.cur, sel];
             a_srcs.extend([lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten());
-            let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), cold_threads, lt);
+            let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
             let mut b_srcs = vec![h, sel];
             b_srcs.extend(lt.cold_tensors.down);
-            Some(g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), cold_threads, lt))
+            Some(g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
         }
     };
     let experts = match (down_hot, down_cold) {

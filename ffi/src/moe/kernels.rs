@@ -78,28 +78,20 @@ fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
 }
 
 /// (token, slot, cold row in the cold tensors) for every selected expert of the cold tier.
-fn cold_items(lt: &LayerTiers, sel: &sys::ggml_tensor, n_used: usize, n_tok: usize) -> Vec<(usize, usize, usize)> {
-    let ids = sel.data as *const i32;
+fn cold_items(lt: &LayerTiers, sel: &[i32], n_used: usize) -> Vec<(usize, usize, usize)> {
     let mut items = Vec::new();
-    for t in 0..n_tok {
-        for k in 0..n_used {
-            // SAFETY: sel is a contiguous [n_used, n_tok] i32 tensor.
-            let e = unsafe { *ids.add(t * n_used + k) };
-            if let Some(row) = lt.cold_row(e) {
-                items.push((t, k, row));
-            }
+    for (i, &e) in sel.iter().enumerate() {
+        if let Some(row) = lt.cold_row(e) {
+            items.push((i / n_used, i % n_used, row));
         }
     }
     items
 }
 
 /// Counts each selection once per graph evaluation (thread 0 only), by tier and by expert.
-fn tally(lt: &LayerTiers, sel: &sys::ggml_tensor, n: usize) {
-    let ids = sel.data as *const i32;
+pub(crate) fn tally(lt: &LayerTiers, sel: &[i32]) {
     let (mut hot, mut cold) = (0u64, 0u64);
-    for i in 0..n {
-        // SAFETY: sel holds n contiguous i32 ids.
-        let e = unsafe { *ids.add(i) };
+    for &e in sel {
         if lt.cold_row(e).is_some() {
             cold += 1;
         } else {
@@ -136,22 +128,19 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
     unsafe { &*(*dst).src[i] }
 }
 
-/// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, then the cold weight
-/// tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
-pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
-    // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
-    let lt = unsafe { &*(userdata as *const LayerTiers) };
-    // SAFETY: the graph builder gave this op these sources.
-    let (cur, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
-    let n_used = sel.ne[0] as usize;
-    let n_tok = sel.ne[1] as usize;
+/// The ids of a contiguous [n_used, n_tok] i32 tensor.
+unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
+    // SAFETY: the caller passes a contiguous i32 tensor.
+    unsafe { std::slice::from_raw_parts(sel.data as *const i32, (sel.ne[0] * sel.ne[1]) as usize) }
+}
+
+/// Thread `ith` of `nth`: act(gate·x) * (up·x) into `h` ([n_ff, n_used, n_tok]) for its share of
+/// the cold (token, slot) rows. `x(t)` is token t's input row.
+pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], sel: &[i32], n_used: usize, h: *mut f32, ith: usize, nth: usize) {
     let n_embd = lt.n_embd;
     let n_ff = lt.n_ff;
-    if ith == 0 {
-        tally(lt, sel, n_used * n_tok);
-    }
-    let items = cold_items(lt, sel, n_used, n_tok);
-    let (r0, r1) = share(items.len() * n_ff, ith as usize, nth as usize);
+    let items = cold_items(lt, sel, n_used);
+    let (r0, r1) = share(items.len() * n_ff, ith, nth);
     let cold = &lt.cold;
     let (g_mat, u_mat, u_off) = match (cold.gate, cold.up, cold.gate_up) {
         (_, _, Some(gu)) => (Some(gu), gu, n_ff),
@@ -161,17 +150,14 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
     let mut xq_g = Vec::new();
     let mut xq_u = Vec::new();
     let mut last_t = usize::MAX;
-    // SAFETY: dst is a contiguous [n_ff, n_used, n_tok] f32 tensor.
-    let out = unsafe { std::slice::from_raw_parts_mut((*dst).data as *mut f32, n_ff * n_used * n_tok) };
     for row in r0..r1 {
         let (t, k, slot) = items[row / n_ff];
         let r = row % n_ff;
         if t != last_t {
-            // SAFETY: cur row t holds n_embd floats.
-            let x = unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, n_embd) };
-            u_mat.traits.quantize(x, &mut xq_u);
+            let xt = &x(t)[..n_embd];
+            u_mat.traits.quantize(xt, &mut xq_u);
             if let Some(g) = g_mat {
-                g.traits.quantize(x, &mut xq_g);
+                g.traits.quantize(xt, &mut xq_g);
             }
             last_t = t;
         }
@@ -182,8 +168,53 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
             Some(g) => g.traits.dot(n_embd, unsafe { g.data.add(slot * g.nb2 + r * g.nb1) }, &xq_g),
             None => 0.0,
         };
-        out[(t * n_used + k) * n_ff + r] = act(lt.activation(), g, u, g_mat.is_some());
+        // SAFETY: h holds [n_ff, n_used, n_tok]; each (t, k, r) is written by one thread only.
+        unsafe { *h.add((t * n_used + k) * n_ff + r) = act(lt.activation(), g, u, g_mat.is_some()) };
     }
+}
+
+/// Thread `ith` of `nth`: its share of the rows of down·h into `out` ([n_embd, n_used, n_tok])
+/// for cold slots, zeros for hot ones.
+pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], out: *mut f32, ith: usize, nth: usize) {
+    let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
+    let Some(d) = lt.cold.down else { return };
+    let (r0, r1) = share(n_embd, ith, nth);
+    let mut hq = Vec::new();
+    for (i, &e) in sel.iter().enumerate() {
+        // SAFETY: out holds [n_embd, n_used, n_tok]; rows r0..r1 of each slot belong to this thread.
+        let o = unsafe { std::slice::from_raw_parts_mut(out.add(i * n_embd + r0), r1 - r0) };
+        let Some(slot) = lt.cold_row(e) else {
+            o.fill(0.0);
+            continue;
+        };
+        // SAFETY: h row i holds n_ff floats written by gate_up_rows.
+        let hv = unsafe { std::slice::from_raw_parts(h.add(i * n_ff), n_ff) };
+        d.traits.quantize(hv, &mut hq);
+        for (j, r) in (r0..r1).enumerate() {
+            // SAFETY: slot < experts in the cold down tensor and r < n_embd rows.
+            o[j] = d.traits.dot(n_ff, unsafe { d.data.add(slot * d.nb2 + r * d.nb1) }, &hq);
+        }
+    }
+}
+
+/// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, then the cold weight
+/// tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
+pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
+    // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op these sources.
+    let (cur, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
+    // SAFETY: sel is contiguous i32.
+    let ids = unsafe { ids(sel) };
+    if ith == 0 {
+        tally(lt, ids);
+    }
+    let x = |t: usize| {
+        // SAFETY: cur row t holds n_embd floats.
+        unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) }
+    };
+    // SAFETY: dst is a contiguous [n_ff, n_used, n_tok] f32 tensor.
+    gate_up_rows(lt, x, ids, sel.ne[0] as usize, unsafe { (*dst).data as *mut f32 }, ith as usize, nth as usize);
 }
 
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the cold
@@ -191,35 +222,10 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
-    // SAFETY: the graph builder gave this op these sources.
+    // SAFETY: the graph builder gave this op these sources; sel is contiguous i32.
     let (h, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
-    let n_used = sel.ne[0] as usize;
-    let n_tok = sel.ne[1] as usize;
-    let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
-    let Some(d) = lt.cold.down else { return };
-    let (r0, r1) = share(n_embd, ith as usize, nth as usize);
-    // SAFETY: dst is a contiguous [n_embd, n_used, n_tok] f32 tensor.
-    let out = unsafe { std::slice::from_raw_parts_mut((*dst).data as *mut f32, n_embd * n_used * n_tok) };
-    let ids = sel.data as *const i32;
-    let mut hq = Vec::new();
-    for t in 0..n_tok {
-        for k in 0..n_used {
-            let base = (t * n_used + k) * n_embd;
-            // SAFETY: sel is a contiguous [n_used, n_tok] i32 tensor.
-            let e = unsafe { *ids.add(t * n_used + k) };
-            let Some(slot) = lt.cold_row(e) else {
-                out[base + r0..base + r1].fill(0.0);
-                continue;
-            };
-            // SAFETY: h row (t, k) holds n_ff floats written by op A.
-            let hv = unsafe { std::slice::from_raw_parts((h.data as *const f32).add((t * n_used + k) * n_ff), n_ff) };
-            d.traits.quantize(hv, &mut hq);
-            for r in r0..r1 {
-                // SAFETY: slot < experts in the cold down tensor and r < n_embd rows.
-                out[base + r] = d.traits.dot(n_ff, unsafe { d.data.add(slot * d.nb2 + r * d.nb1) }, &hq);
-            }
-        }
-    }
+    // SAFETY: as above; dst is a contiguous [n_embd, n_used, n_tok] f32 tensor.
+    unsafe { down_rows(lt, h.data as *const f32, ids(sel), (*dst).data as *mut f32, ith as usize, nth as usize) };
 }
 
 /// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).
@@ -229,9 +235,9 @@ pub(crate) unsafe extern "C" fn count(dst: *mut sys::ggml_tensor, ith: i32, _nth
     }
     // SAFETY: as in gate_up.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
-    // SAFETY: the graph builder gave this op sel as its only source.
-    let sel = unsafe { src(dst, 0) };
-    tally(lt, sel, (sel.ne[0] * sel.ne[1]) as usize);
-    // SAFETY: dst is one f32.
-    unsafe { *((*dst).data as *mut f32) = 0.0 };
+    // SAFETY: the graph builder gave this op sel as its first source; dst is one f32.
+    unsafe {
+        tally(lt, ids(src(dst, 0)));
+        *((*dst).data as *mut f32) = 0.0;
+    }
 }

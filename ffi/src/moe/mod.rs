@@ -13,6 +13,7 @@
 
 mod graph;
 mod kernels;
+mod pool;
 
 use std::collections::HashMap;
 use std::ptr::null_mut;
@@ -88,7 +89,8 @@ pub enum ColdCopy {
 pub struct Plan {
     pub hot: Vec<(i32, Vec<u32>)>,
     pub cold: ColdCopy,
-    /// Threads for the cold kernels in decode (<= 0: all of the CPU backend's threads).
+    /// Workers of the dedicated pool that computes cold experts in decode, overlapping the GPU
+    /// (<= 0: no pool; the CPU backend's own threads compute them between the GPU's work).
     pub cold_threads: i32,
     /// Only count selections (profile recording); llama.cpp computes every layer as usual.
     pub count_only: bool,
@@ -501,6 +503,9 @@ fn set_map(t: T, map: &[i32]) {
 /// before the first graph that should use the tiers is built.
 pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, PlaceError> {
     install_hook()?;
+    if plan.cold_threads > 0 && !plan.count_only {
+        pool::get(plan.cold_threads as usize);
+    }
     let layers = expert_layers(model);
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
