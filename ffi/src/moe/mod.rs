@@ -249,8 +249,8 @@ impl Hooks for MoeHooks {
     }
 }
 
-/// Installs the MoE hook (once per process). Without registered layers it changes nothing.
-pub fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
+/// Installs the MoE hook (once per process); without registered layers it changes nothing.
+fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
     let mut res = Ok(());
     INSTALL.call_once(|| res = crate::hooks::install(Arc::new(MoeHooks)));
     res
@@ -651,9 +651,4 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         map.insert(key, lt);
     }
     Ok(placement)
-}
-
-/// Forgets every tier of `model` (also done when llama.cpp frees it).
-pub fn detach(model: &Model) {
-    MoeHooks.model_freed(model.as_ptr());
 }
