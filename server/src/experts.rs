@@ -339,9 +339,7 @@ pub fn after_step() {
     let mut s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(st) = s.as_mut() {
         let now = moe::hits();
-        for i in 0..3 {
-            st.last_step[i] = now[i].saturating_sub(st.totals[i]);
-        }
+        st.last_step = std::array::from_fn(|i| now[i].saturating_sub(st.totals[i]));
         st.totals = now;
     }
 }
