@@ -281,8 +281,9 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
             .sum();
         let root = std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from);
         let kind = if cfg.pinned { CopyKind::PageLocked } else { CopyKind::Pageable };
-        let report = memguard::measure(&root).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
-        report.admit(bytes, kind).map_err(|e| format!("--resident-cpu-experts: {e}"))?;
+        let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
+        let report = memguard::measure(&root).map_err(|e| format!("{flag}: {e}"))?;
+        report.admit(bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
     let stand_in = stand_ins(p, &hot);

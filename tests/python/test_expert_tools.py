@@ -71,3 +71,22 @@ def test_parity_compares_tokens_and_log_probabilities() -> None:
     d = parity.compare(a, diverged, 0.01)
     assert not d["pass"] and d["first_difference"] == 2
     assert abs(d["reference_margin_near_difference"] - 1.2) < 1e-9
+
+
+def test_forced_parity_allows_near_ties_only() -> None:
+    a = answer([1, 2, 3], [[(1, -0.1), (5, -2.0)], [(2, -0.50), (6, -0.51)], [(3, -0.3), (7, -1.5)]])
+
+    def steps(*tops: list[tuple[int, float]]) -> list[list[dict]]:
+        return [[{"id": i, "logprob": lp} for i, lp in t] for t in tops]
+
+    same = parity.compare_forced(a, steps([(1, -0.1)], [(2, -0.5)], [(3, -0.3)]), 0.05)
+    assert same["pass"] and same["top1_equal_steps"] == 3 and same["max_abs_logprob_difference"] == 0
+    tie = parity.compare_forced(a, steps([(1, -0.1)], [(6, -0.49), (2, -0.52)], [(3, -0.3)]), 0.05)
+    assert tie["pass"] and [f["step"] for f in tie["near_tie_flips"]] == [1]
+    assert abs(tie["near_tie_flips"][0]["reference_gap"] - 0.01) < 1e-9
+    wrong = parity.compare_forced(a, steps([(5, -0.1)], [(2, -0.5)], [(3, -0.3)]), 0.05)
+    assert not wrong["pass"] and wrong["near_tie_flips"][0]["reference_gap"] > 1.8
+    unseen = parity.compare_forced(a, steps([(1, -0.1)], [(2, -0.5)], [(9, -0.2)]), 0.05)
+    assert not unseen["pass"]
+    drift = parity.compare_forced(a, steps([(1, -0.2)], [(2, -0.5)], [(3, -0.3)]), 0.05)
+    assert not drift["pass"] and drift["top1_equal_steps"] == 3
