@@ -115,6 +115,12 @@ fn split_experts_match_the_unsplit_model() {
     assert!(log.contains("cold experts in decode on a pool of 2 workers"), "{log}");
     drop(pooled);
 
+    // The graph GPUs get: one expert per mul_mat_id column, as the pad and stand-in ids repeat.
+    let flat = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "30"], &[("STRATA_MOE_FLAT_IDS", "1")]);
+    assert_same(&ref_short, &generate(&flat, SHORT), "one expert per column, short prompt");
+    assert_same(&ref_long, &generate(&flat, LONG), "one expert per column, long prompt");
+    drop(flat);
+
     // A RAM copy from a recorded profile: prompt batches run the cold tier as mul_mat_id.
     let dir = tmp("split");
     let profile = record_profile(&dir);
@@ -129,6 +135,10 @@ fn split_experts_match_the_unsplit_model() {
     let log = resident.log.lock().unwrap().clone();
     assert!(log.contains("profile hit rate of the hot tier"), "{log}");
     assert!(log.contains("host MemAvailable"), "{log}");
+    drop(resident);
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_MOE_FLAT_IDS", "1")];
+    let resident = Server::start(&args, &env);
+    assert_same(&ref_long, &generate(&resident, LONG), "RAM copy, one expert per column, long prompt");
 }
 
 #[test]

@@ -13,20 +13,39 @@ struct G<'a> {
 
 impl G<'_> {
     /// mul_mat_id over `mats` with `ids`, the activation, then down: [n_embd, n_used, n_tok].
-    fn ffn(&self, mats: &Mats<T>, ids: T, act: Activation) -> Option<T> {
+    /// With `flat`, each (token, slot) pair becomes a column of its own with one expert, so an
+    /// id repeated within a token (the pad, a stand-in) stays legal for grouped GPU kernels.
+    fn ffn(&self, mats: &Mats<T>, ids: T, act: Activation, flat: bool) -> Option<T> {
         let (ctx, cur) = (self.ctx, self.args.cur);
         // SAFETY: ctx is the graph context; all tensors are live graph or weight tensors of
-        // matching shapes (the same shapes llama.cpp would use for this layer).
+        // matching shapes (the same shapes llama.cpp would use for this layer); reshapes are of
+        // contiguous tensors (mul_mat_id and activation results, remapped ids).
         unsafe {
+            let (n_embd, n_used, n_tok) = ((*cur).ne[0], (*ids).ne[0], (*ids).ne[1]);
+            let (x, ids) = if flat {
+                let n = n_used * n_tok;
+                let x = sys::ggml_repeat_4d(ctx, cur, n_embd, n_used, n_tok, 1);
+                (sys::ggml_reshape_3d(ctx, x, n_embd, 1, n), sys::ggml_reshape_2d(ctx, ids, 1, n))
+            } else {
+                (cur, ids)
+            };
+            let mm = |w: T, x: T| {
+                let y = sys::ggml_mul_mat_id(ctx, w, x, ids);
+                if flat {
+                    sys::ggml_reshape_3d(ctx, y, (*y).ne[0], n_used, n_tok)
+                } else {
+                    y
+                }
+            };
             let (gate, up) = if let Some(gu) = mats.gate_up {
-                let gu = sys::ggml_mul_mat_id(ctx, gu, cur, ids);
+                let gu = mm(gu, x);
                 let n_ff = (*gu).ne[0] / 2;
                 let g = sys::ggml_view_3d(ctx, gu, n_ff, (*gu).ne[1], (*gu).ne[2], (*gu).nb[1], (*gu).nb[2], 0);
                 let u = sys::ggml_view_3d(ctx, gu, n_ff, (*gu).ne[1], (*gu).ne[2], (*gu).nb[1], (*gu).nb[2], n_ff as usize * (*gu).nb[0]);
                 (Some(g), u)
             } else {
-                let u = sys::ggml_mul_mat_id(ctx, mats.up?, cur, ids);
-                (mats.gate.map(|g| sys::ggml_mul_mat_id(ctx, g, cur, ids)), u)
+                let u = mm(mats.up?, x);
+                (mats.gate.map(|g| mm(g, x)), u)
             };
             let h = match (gate, act) {
                 (Some(g), Activation::Silu) => sys::ggml_swiglu_split(ctx, g, up),
@@ -36,7 +55,8 @@ impl G<'_> {
                 (None, Activation::Gelu) => sys::ggml_gelu(ctx, up),
                 (None, Activation::Relu) => sys::ggml_relu(ctx, up),
             };
-            Some(sys::ggml_mul_mat_id(ctx, mats.down?, h, ids))
+            let h = if flat { sys::ggml_reshape_3d(ctx, h, (*h).ne[0], 1, n_used * n_tok) } else { h };
+            Some(mm(mats.down?, h))
         }
     }
 
@@ -122,7 +142,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         t
     });
     let down_hot = lt.hot.as_ref().and_then(|hot| {
-        let d = g.ffn(&hot.mats, g.remap(hot.map, sel), act)?;
+        let d = g.ffn(&hot.mats, g.remap(hot.map, sel), act, n_tok >= lt.flat_from)?;
         g.expand(d);
         Some(d)
     });
@@ -133,7 +153,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         }
         Some(map) if prompt => {
             count();
-            let c = g.ffn(&lt.cold_tensors, g.remap(map, sel), act)?;
+            let c = g.ffn(&lt.cold_tensors, g.remap(map, sel), act, n_tok >= lt.flat_from)?;
             Some(match lt.cold_mask {
                 // SAFETY: mask is [1, n_expert] f32; the product broadcasts over n_embd.
                 Some(mask) => unsafe {

@@ -177,6 +177,8 @@ pub(crate) struct LayerTiers {
     pub n_cold: usize,
     pub cold_threads: i32,
     pub count_only: bool,
+    /// Batches of at least this many tokens run mul_mat_id with one expert per column.
+    pub flat_from: i64,
     pub tally: Tally,
     _owned: Owned,
 }
@@ -386,6 +388,21 @@ fn type_name(ty: sys::ggml_type) -> String {
     unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(ty)).to_string_lossy().into_owned() }
 }
 
+/// The batch size from which a tiered layer gives mul_mat_id one expert per column. The expert
+/// maps repeat an id within a token (the pad slot, the stand-in), which the grouped CUDA/HIP
+/// kernels do not allow; their vector kernels (always used below 4 tokens for quantized
+/// weights) and the CPU do. STRATA_MOE_FLAT_IDS=1 flattens every batch (tests of that graph).
+fn flat_from(gpu: bool, quantized: bool) -> i64 {
+    if std::env::var_os("STRATA_MOE_FLAT_IDS").is_some_and(|v| v == "1") {
+        return 1;
+    }
+    match (gpu, quantized) {
+        (false, _) => i64::MAX,
+        (true, true) => 4,
+        (true, false) => 1,
+    }
+}
+
 /// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
 /// buffer of `buft`.
 struct Alloc {
@@ -509,6 +526,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let layers = expert_layers(model);
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
+    let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
+    // SAFETY: valid device.
     let (hot_buft, dev_name) = unsafe {
         (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned())
     };
@@ -624,6 +643,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         placement.bytes[Tier::Hot as usize] += (n_hot * info.expert_bytes) as u64;
         placement.experts[cold_tier as usize] += cold_list.len() as u64;
         placement.bytes[cold_tier as usize] += (cold_list.len() * info.expert_bytes) as u64;
+        // SAFETY: live tensor.
+        let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
         let key = src.down.map_or(0, |t| t as usize);
         entries.push((key, Arc::new(LayerTiers {
             model: model.as_ptr() as usize,
@@ -641,6 +662,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             n_cold: cold_list.len(),
             cold_threads: plan.cold_threads,
             count_only: plan.count_only,
+            flat_from: flat_from(gpu, quantized),
             tally: Tally::new(n_expert),
             _owned: owned,
         })));
