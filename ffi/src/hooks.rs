@@ -17,6 +17,10 @@ pub trait Hooks: Send + Sync + 'static {
     fn moe_experts(&self, _args: &MoeExperts<'_>) -> Option<NonNull<sys::ggml_tensor>> {
         None
     }
+    /// Graph nodes that `moe_experts` may add to one graph of `model` beyond llama.cpp's own.
+    fn graph_extra_nodes(&self, _model: *const sys::llama_model) -> u32 {
+        0
+    }
 }
 
 /// One MoE layer's routed-expert inputs, valid for the duration of the callback.
@@ -72,6 +76,10 @@ extern "C" fn moe_experts(user_data: *mut c_void, args: *const sys::strata_moe_e
         .map_or(std::ptr::null_mut(), NonNull::as_ptr)
 }
 
+extern "C" fn graph_extra_nodes(user_data: *mut c_void, model: *const sys::llama_model) -> u32 {
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).graph_extra_nodes(model))).unwrap_or(0)
+}
+
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
 pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
     // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
@@ -83,6 +91,7 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         model_loaded: Some(model_loaded),
         model_freed: Some(model_freed),
         moe_experts: Some(moe_experts),
+        graph_extra_nodes: Some(graph_extra_nodes),
     };
     // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
     if unsafe { sys::strata_hooks_set(&table) } != 0 {

@@ -6,6 +6,10 @@ use std::ptr::NonNull;
 use super::{kernels, pool, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
 use crate::sys;
 
+/// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
+/// expert graph, which it replaces: the second tier's chain, remaps, flattening, custom ops.
+pub(crate) const EXTRA_NODES_PER_LAYER: u32 = 128;
+
 struct G<'a> {
     ctx: *mut sys::ggml_context,
     args: &'a sys::strata_moe_experts_args,

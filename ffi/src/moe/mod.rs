@@ -249,10 +249,23 @@ impl Hooks for MoeHooks {
         let lt = REGISTRY.read().ok()?.as_ref()?.get(&key)?.clone();
         graph::build(args.raw(), &lt)
     }
+
+    fn graph_extra_nodes(&self, model: *const sys::llama_model) -> u32 {
+        if model.is_null() {
+            return 0;
+        }
+        // SAFETY: llama.cpp passes a loaded model, live for the call.
+        let n_layer = unsafe { sys::llama_model_n_layer(model) + sys::llama_model_n_layer_nextn(model) };
+        let mut out = sys::strata_expert_tensors { up_exps: null_mut(), gate_exps: null_mut(), down_exps: null_mut(), gate_up_exps: null_mut() };
+        // SAFETY: valid model and out pointer.
+        let n = (0..n_layer.max(0)).filter(|&il| unsafe { sys::strata_model_expert_tensors(model, il, &mut out) } && !out.down_exps.is_null()).count();
+        n as u32 * graph::EXTRA_NODES_PER_LAYER
+    }
 }
 
 /// Installs the MoE hook (once per process); without registered layers it changes nothing.
-fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
+/// Install it before creating the contexts that will use tiers: they size their graphs by it.
+pub fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
     let mut res = Ok(());
     INSTALL.call_once(|| res = crate::hooks::install(Arc::new(MoeHooks)));
     res
