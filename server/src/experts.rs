@@ -320,7 +320,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         Some(prof) => {
             let all: u64 = prof.ranked.iter().map(|e| e.hits).sum();
             let hot_hits: u64 = prof.ranked.iter().take(placement.experts[Tier::Hot as usize] as usize).map(|e| e.hits).sum();
-            format!("profile hit rate of the hot tier {:.1}%", 100.0 * hot_hits as f64 / all.max(1) as f64)
+            format!("profile hit rate of the hot tier {:.2}%", 100.0 * hot_hits as f64 / all.max(1) as f64)
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };

@@ -90,3 +90,14 @@ def test_forced_parity_allows_near_ties_only() -> None:
     assert not unseen["pass"]
     drift = parity.compare_forced(a, steps([(1, -0.2)], [(2, -0.5)], [(3, -0.3)]), 0.05)
     assert not drift["pass"] and drift["top1_equal_steps"] == 3
+
+
+def test_forced_parity_counts_steps_without_probabilities() -> None:
+    a = answer([1, 2, 3, 4], [[(1, -0.1)], [(3, -0.3)], [(4, -0.2)]])
+    a["completion_probabilities"] = a["completion_probabilities"][:1] + [
+        {"id": 3, "top_logprobs": [{"id": 3, "logprob": -0.3}]}, {"id": 4, "top_logprobs": [{"id": 4, "logprob": -0.2}]}]
+    got = [[{"id": 1, "logprob": -0.1}], [], [{"id": 3, "logprob": -0.3}], [{"id": 4, "logprob": -0.2}]]
+    v = parity.compare_forced(a, got, 0.05)
+    assert v["pass"] and v["measured_steps"] == 3 and v["top1_equal_steps"] == 3
+    few = parity.compare_forced(a, [[], [], [], got[3]], 0.05)
+    assert not few["pass"] and few["measured_steps"] == 1
