@@ -202,7 +202,7 @@ fn ranking(p: &Prepared) -> Vec<(u32, u32)> {
 }
 
 /// Hot experts per layer: the ranking's head, within `budget` bytes and `max` experts; the
-/// first hot expert of a layer also pays for its zero pad expert.
+/// first hot expert of a layer also pays for its zero pad experts (one per routing position).
 fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
     let mut hot: Vec<(i32, Vec<u32>)> = p.layout.layers.iter().map(|l| (l.layer as i32, Vec::new())).collect();
     let (mut used, mut n) = (0u64, 0u64);
@@ -212,7 +212,8 @@ fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
         }
         let Some(i) = p.layout.layers.iter().position(|l| l.layer == layer) else { continue };
         let bytes = p.layout.layers[i].expert_bytes();
-        let cost = if hot[i].1.is_empty() { 2 * bytes } else { bytes };
+        let pads = u64::from(p.layout.n_expert_used);
+        let cost = if hot[i].1.is_empty() { (1 + pads) * bytes } else { bytes };
         if used + cost > budget {
             break;
         }
@@ -221,6 +222,22 @@ fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
         hot[i].1.push(expert);
     }
     hot
+}
+
+/// Per layer, the profile's share of selections that the chosen hot experts miss.
+fn cold_shares(prof: &Profile, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, f64)> {
+    hot.iter()
+        .map(|(il, h)| {
+            let (mut all, mut hit) = (0u64, 0u64);
+            for e in prof.ranked.iter().filter(|e| e.layer as i32 == *il) {
+                all += e.hits;
+                if h.contains(&e.expert) {
+                    hit += e.hits;
+                }
+            }
+            (*il, if all == 0 { 1.0 } else { (all - hit) as f64 / all as f64 })
+        })
+        .collect()
 }
 
 /// Per layer, the first cold expert of the ranking (the one prompt batches upload anyway).
@@ -291,7 +308,16 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
     let stand_in = stand_ins(p, &hot);
-    let plan = moe::Plan { hot, cold, cold_threads: cfg.pool_workers, count_only: !cfg.hot_tier, stand_in };
+    let cold_share = p.profile.as_ref().map(|prof| cold_shares(prof, &hot)).unwrap_or_default();
+    let plan = moe::Plan {
+        hot,
+        cold,
+        cold_threads: cfg.pool_workers,
+        count_only: !cfg.hot_tier,
+        stand_in,
+        n_used: p.layout.n_expert_used as usize,
+        cold_share,
+    };
     let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
     let place_s = t0.elapsed().as_secs_f64();

@@ -91,7 +91,14 @@ fn mini_tree(name: &str) -> PathBuf {
     let out = Command::new("bash").arg(repo().join("vendor/fetch")).arg("--pristine").output().unwrap();
     let pristine = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     let tree = tmp(name);
-    for f in ["include/llama.h", "src/CMakeLists.txt", "src/llama-graph.cpp", "src/llama.cpp", "src/llama-model.cpp"] {
+    for f in [
+        "include/llama.h",
+        "src/CMakeLists.txt",
+        "src/llama-context.cpp",
+        "src/llama-graph.cpp",
+        "src/llama.cpp",
+        "src/llama-model.cpp",
+    ] {
         std::fs::create_dir_all(tree.join(f).parent().unwrap()).unwrap();
         std::fs::copy(pristine.join(f), tree.join(f)).unwrap();
     }

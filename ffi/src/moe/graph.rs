@@ -75,6 +75,17 @@ impl G<'_> {
         }
     }
 
+    /// Per-position map[e, j] for ids [n_used, n_tok] and a map [1, n_expert, n_used] (i32).
+    fn remap_positions(&self, map: T, ids: T) -> T {
+        // SAFETY: map is [1, n_expert, n_used] i32 and ids a contiguous [n_used, n_tok] i32.
+        unsafe {
+            let (n_used, n_tok) = ((*ids).ne[0], (*ids).ne[1]);
+            let by_pos = sys::ggml_cont(self.ctx, sys::ggml_transpose(self.ctx, ids));
+            let rows = sys::ggml_reshape_2d(self.ctx, sys::ggml_get_rows(self.ctx, map, by_pos), n_tok, n_used);
+            sys::ggml_cont(self.ctx, sys::ggml_transpose(self.ctx, rows))
+        }
+    }
+
     fn custom(&self, ne: [i64; 3], srcs: &mut [T], f: sys::ggml_custom_op_t, n_tasks: i32, lt: &LayerTiers) -> T {
         // SAFETY: srcs are live tensors; userdata (the LayerTiers) outlives every graph that
         // uses it (the registry keeps it until the model is freed, after all contexts).
@@ -111,8 +122,12 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 }
 
 /// The tiered layer's weighted expert sum [n_embd, n_tok], or None to let llama.cpp build it
-/// (unsupported activation, a layer only being counted, or a prompt batch with cold experts but
-/// no RAM copy).
+/// (unsupported activation, a layer only being counted, or routing of another width).
+///
+/// Decode batches, and prompt batches whose cold selections are expected to be few, compute the
+/// cold selections on the CPU (custom ops, or the worker pool overlapping the hot tier), as a
+/// weighted sum added to the hot tier's. Other prompt batches run the cold tier as a second
+/// mul_mat_id, which ggml offloads to the GPU uploading only the experts used.
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
@@ -132,30 +147,29 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let c = g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt);
         g.expand(c);
     };
-    if lt.count_only || (prompt && lt.n_cold > 0 && lt.cold_map.is_none()) {
+    if lt.count_only || n_used as usize != lt.n_used {
         count();
         return None;
     }
+    let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.cold_on_cpu(n_tok));
+    let cold_srcs = || [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
 
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
-    let ticket = (!prompt && lt.n_cold > 0 && lt.cold_threads > 0).then(|| {
-        let mut srcs = vec![args.cur, sel];
-        srcs.extend([lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten());
+    let ticket = (cold_cpu && lt.cold_threads > 0).then(|| {
+        let mut srcs = vec![args.cur, sel, args.weights];
+        srcs.extend(cold_srcs());
         let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
         g.expand(t);
         t
     });
     let down_hot = lt.hot.as_ref().and_then(|hot| {
-        let d = g.ffn(&hot.mats, g.remap(hot.map, sel), act, n_tok >= lt.flat_from)?;
+        let d = g.ffn(&hot.mats, g.remap_positions(hot.map, sel), act, false)?;
         g.expand(d);
         Some(d)
     });
+    // The cold tier as mul_mat_id: zero (pad or masked stand-in) where the hot tier computes.
     let down_cold = match lt.cold_map {
-        _ if lt.n_cold == 0 => {
-            count();
-            None
-        }
-        Some(map) if prompt => {
+        Some(map) if lt.n_cold > 0 && !cold_cpu => {
             count();
             let c = g.ffn(&lt.cold_tensors, g.remap(map, sel), act, n_tok >= lt.flat_from)?;
             Some(match lt.cold_mask {
@@ -167,26 +181,35 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
                 None => c,
             })
         }
-        _ if ticket.is_some() => Some(g.custom([n_embd, n_used, n_tok], &mut [ticket.unwrap()], Some(pool::join), 1, lt)),
-        _ => {
-            let mut a_srcs = vec![args.cur, sel];
-            a_srcs.extend([lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten());
-            let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
-            let mut b_srcs = vec![h, sel];
-            b_srcs.extend(lt.cold_tensors.down);
-            Some(g.custom([n_embd, n_used, n_tok], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
-        }
+        _ => None,
     };
+    if lt.n_cold == 0 {
+        count();
+    }
+    // The cold selections on the CPU: per (token, slot) in decode, a weighted sum in prompts.
+    let weighted_cold = kernels::weighted_output(n_tok as usize);
+    let cold_ne = if weighted_cold { [n_embd, n_tok, 1] } else { [n_embd, n_used, n_tok] };
+    let cold_cpu_out = if !cold_cpu {
+        None
+    } else if let Some(t) = ticket {
+        Some(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt))
+    } else {
+        let mut a_srcs = vec![args.cur, sel];
+        a_srcs.extend(cold_srcs());
+        let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
+        let mut b_srcs = vec![h, sel, args.weights];
+        b_srcs.extend(lt.cold_tensors.down);
+        Some(g.custom(cold_ne, &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
+    };
+    let (down_cold, cold_sum) = if weighted_cold { (down_cold, cold_cpu_out) } else { (down_cold.or(cold_cpu_out), None) };
     let experts = match (down_hot, down_cold) {
         // SAFETY: both are [n_embd, n_used, n_tok] graph tensors.
-        (Some(h), Some(c)) => unsafe { sys::ggml_add(g.ctx, h, c) },
-        (Some(h), None) => h,
-        (None, Some(c)) => c,
-        (None, None) => return None,
+        (Some(h), Some(c)) => Some(unsafe { sys::ggml_add(g.ctx, h, c) }),
+        (h, c) => h.or(c),
     };
 
     // SAFETY: graph tensors of matching shapes; the sum mirrors llama.cpp's build_moe_ffn.
-    unsafe {
+    let weighted = experts.map(|experts| unsafe {
         let experts = sys::ggml_mul(g.ctx, experts, args.weights);
         g.expand(experts);
         let view = |i: i64| sys::ggml_view_2d(g.ctx, experts, n_embd, n_tok, (*experts).nb[2], i as usize * (*experts).nb[1]);
@@ -202,6 +225,12 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         if n_used == 1 {
             out = sys::ggml_cont(g.ctx, out);
         }
-        NonNull::new(out)
-    }
+        out
+    });
+    let out = match (weighted, cold_sum) {
+        // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
+        (Some(w), Some(c)) => unsafe { sys::ggml_add(g.ctx, w, c) },
+        (w, c) => w.or(c)?,
+    };
+    NonNull::new(out)
 }

@@ -2,9 +2,11 @@
 //! are not in the hot tier, with the CPU backend's own quantize and dot-product routines, so a
 //! cold expert gives what the CPU backend's mul_mat_id would give for it.
 //!
-//! Op A (`gate_up`) writes act(gate·x) * (up·x) for each cold (token, slot); op B (`down`)
-//! writes down·h for each cold (token, slot) and zeros for hot ones, so that adding the hot
-//! tier's result (zeros where cold) gives every selected expert exactly once.
+//! Op A (`gate_up`) writes act(gate·x) * (up·x) for each cold (token, slot). Op B (`down`)
+//! writes, for decode batches, down·h per cold (token, slot) and zeros for hot ones, which the
+//! graph adds to the hot tier's result before weighting (llama.cpp's exact summation order);
+//! for prompt batches, each token's routing-weighted sum over its cold slots, [n_embd, n_tok],
+//! added to the hot tier's weighted sum (the per-slot form would move n_used times more data).
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -173,26 +175,58 @@ pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], 
     }
 }
 
-/// Thread `ith` of `nth`: its share of the rows of down·h into `out` ([n_embd, n_used, n_tok])
-/// for cold slots, zeros for hot ones.
-pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], out: *mut f32, ith: usize, nth: usize) {
+/// Whether op B writes the weighted form for a batch of `n_tok` tokens (see the module doc).
+pub(crate) fn weighted_output(n_tok: usize) -> bool {
+    n_tok as i64 >= super::OFFLOAD_MIN_BATCH
+}
+
+/// Thread `ith` of `nth`: its share of the rows of down·h over the cold slots, into `out`:
+/// [n_embd, n_used, n_tok] per slot (zeros for hot slots), or with `w` (`w[t * n_used + k]` is
+/// slot k's routing weight) each token's weighted sum, [n_embd, n_tok].
+pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], w: Option<&[f32]>, n_used: usize, out: *mut f32, ith: usize, nth: usize) {
     let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
     let Some(d) = lt.cold.down else { return };
     let (r0, r1) = share(n_embd, ith, nth);
     let mut hq = Vec::new();
-    for (i, &e) in sel.iter().enumerate() {
-        // SAFETY: out holds [n_embd, n_used, n_tok]; rows r0..r1 of each slot belong to this thread.
-        let o = unsafe { std::slice::from_raw_parts_mut(out.add(i * n_embd + r0), r1 - r0) };
-        let Some(slot) = lt.cold_row(e) else {
-            o.fill(0.0);
-            continue;
-        };
-        // SAFETY: h row i holds n_ff floats written by gate_up_rows.
-        let hv = unsafe { std::slice::from_raw_parts(h.add(i * n_ff), n_ff) };
-        d.traits.quantize(hv, &mut hq);
-        for (j, r) in (r0..r1).enumerate() {
-            // SAFETY: slot < experts in the cold down tensor and r < n_embd rows.
-            o[j] = d.traits.dot(n_ff, unsafe { d.data.add(slot * d.nb2 + r * d.nb1) }, &hq);
+    for t in 0..sel.len() / n_used.max(1) {
+        if w.is_some() {
+            // SAFETY: out holds [n_embd, n_tok]; rows r0..r1 of each token belong to this thread.
+            unsafe { std::slice::from_raw_parts_mut(out.add(t * n_embd + r0), r1 - r0) }.fill(0.0);
+        }
+        for k in 0..n_used {
+            let i = t * n_used + k;
+            let row = if w.is_some() { t } else { i };
+            // SAFETY: as above, or out holds [n_embd, n_used, n_tok] and row i is (t, k).
+            let o = unsafe { std::slice::from_raw_parts_mut(out.add(row * n_embd + r0), r1 - r0) };
+            let Some(slot) = lt.cold_row(sel[i]) else {
+                if w.is_none() {
+                    o.fill(0.0);
+                }
+                continue;
+            };
+            // SAFETY: h row i holds n_ff floats written by gate_up_rows.
+            let hv = unsafe { std::slice::from_raw_parts(h.add(i * n_ff), n_ff) };
+            d.traits.quantize(hv, &mut hq);
+            for (j, r) in (r0..r1).enumerate() {
+                // SAFETY: slot < experts in the cold down tensor and r < n_embd rows.
+                let v = d.traits.dot(n_ff, unsafe { d.data.add(slot * d.nb2 + r * d.nb1) }, &hq);
+                match w {
+                    Some(w) => o[j] += w[i] * v,
+                    None => o[j] = v,
+                }
+            }
+        }
+    }
+}
+
+/// The routing weights [1, n_used, n_tok] f32 (possibly strided), as `w[t * n_used + k]`.
+pub(crate) fn weights(wt: &sys::ggml_tensor, out: &mut Vec<f32>) {
+    let (n_used, n_tok) = (wt.ne[1] as usize, wt.ne[2] as usize);
+    out.clear();
+    for t in 0..n_tok {
+        for k in 0..n_used {
+            // SAFETY: (0, k, t) lies inside the tensor, addressed by its strides.
+            out.push(unsafe { *(wt.data.cast::<u8>().add(k * wt.nb[1] + t * wt.nb[2]) as *const f32) });
         }
     }
 }
@@ -217,15 +251,21 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
     gate_up_rows(lt, x, ids, sel.ne[0] as usize, unsafe { (*dst).data as *mut f32 }, ith as usize, nth as usize);
 }
 
-/// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the cold
-/// down tensor. Writes [n_embd, n_used, n_tok]: down·h for cold slots, 0 for hot ones.
+/// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
+/// weights [1, n_used, n_tok], the cold down tensor. Writes [n_embd, n_used, n_tok] or, for
+/// prompt batches, [n_embd, n_tok] (see the module doc).
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
     // SAFETY: the graph builder gave this op these sources; sel is contiguous i32.
-    let (h, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
-    // SAFETY: as above; dst is a contiguous [n_embd, n_used, n_tok] f32 tensor.
-    unsafe { down_rows(lt, h.data as *const f32, ids(sel), (*dst).data as *mut f32, ith as usize, nth as usize) };
+    let (h, sel, wt) = unsafe { (src(dst, 0), src(dst, 1), src(dst, 2)) };
+    let mut w = Vec::new();
+    let weighted = weighted_output(sel.ne[1] as usize);
+    if weighted {
+        weights(wt, &mut w);
+    }
+    // SAFETY: as above; dst is contiguous f32 of the shape the graph builder gave for this mode.
+    unsafe { down_rows(lt, h.data as *const f32, ids(sel), weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, ith as usize, nth as usize) };
 }
 
 /// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).

@@ -1,15 +1,16 @@
 //! Per-expert tiers for MoE layers. llama.cpp places experts per layer; here each layer's
 //! experts are split: a hot tier (the experts a profile ranks highest, copied into device
-//! buffers with one zero "pad" expert) and a cold tier (the rest, read where llama.cpp mapped
-//! them or from a RAM copy). Routing stays in llama.cpp's graph; the MoE hook rewrites each
-//! tiered layer so every selected expert is computed once, in its tier, and the two partial
-//! results add up to the unsplit layer's result (each side is exactly zero where the other
-//! computes).
+//! buffers with zero "pad" experts, one per routing position) and a cold tier (the rest, read
+//! where llama.cpp mapped them or from a RAM copy). Routing stays in llama.cpp's graph; the MoE
+//! hook rewrites each tiered layer so every selected expert is computed once, in its tier, and
+//! the two partial results add up to the unsplit layer's result (each side is exactly zero
+//! where the other computes).
 //!
-//! Decode-sized batches compute cold experts with CPU kernels (kernels.rs). Prompt batches
-//! (>= [`OFFLOAD_MIN_BATCH`] tokens) run the cold tier as a mul_mat_id on its host tensors, which
-//! ggml's scheduler offloads to the GPU copying only the experts used; hot selections go to the
-//! RAM copy's zero pad expert, or with the mapping to a stand-in cold expert masked to zero.
+//! Decode batches, and prompt batches (>= [`OFFLOAD_MIN_BATCH`] tokens) expected to select few
+//! cold experts, compute the cold ones with CPU kernels (kernels.rs). Other prompt batches run
+//! the cold tier as a mul_mat_id on its host tensors, which ggml's scheduler offloads to the GPU
+//! copying only the experts used; hot selections go to the RAM copy's zero pad expert, or with
+//! the mapping to a stand-in cold expert masked to zero.
 
 mod graph;
 mod kernels;
@@ -98,6 +99,11 @@ pub struct Plan {
     /// when the cold tier is the mapping: best the most-selected cold one, which such a batch
     /// uploads anyway. Layers not listed use their lowest-numbered cold expert.
     pub stand_in: Vec<(i32, u32)>,
+    /// Experts routed per token: the hot tier keeps one zero pad expert per routing position.
+    pub n_used: usize,
+    /// Per layer, the expected share of selections that miss the hot tier (from the profile),
+    /// until the layer has counted enough of its own. Layers not listed: cold experts / all.
+    pub cold_share: Vec<(i32, f64)>,
 }
 
 /// Experts and bytes per tier after placement.
@@ -146,8 +152,9 @@ impl<T: Copy> Mats<T> {
 
 type T = *mut sys::ggml_tensor;
 
-/// The hot tier of one layer: device tensors of n_hot + 1 experts (the last is all zeros) and
-/// the expert -> slot map (the pad slot for cold experts).
+/// The hot tier of a layer: its experts plus one zero pad per routing position, and the map
+/// [1, n_expert, n_used] i32 whose slice j sends expert e to its slot, or a cold one to pad j
+/// (so that no slot repeats within a token, as grouped GPU kernels need).
 pub(crate) struct Hot {
     pub mats: Mats<T>,
     pub map: T,
@@ -179,6 +186,9 @@ pub(crate) struct LayerTiers {
     pub count_only: bool,
     /// Batches of at least this many tokens run mul_mat_id with one expert per column.
     pub flat_from: i64,
+    pub n_used: usize,
+    /// Expected share of selections in the cold tier before the tally has enough of its own.
+    cold_share_prior: f64,
     pub tally: Tally,
     _owned: Owned,
 }
@@ -207,7 +217,26 @@ impl LayerTiers {
         let row = *self.cold_rows.get(usize::try_from(e).ok()?)?;
         usize::try_from(row).ok()
     }
+
+    /// Whether a batch of `n_tok` tokens computes its cold selections on the CPU workers (as
+    /// decode does) rather than as a second mul_mat_id pass that uploads the used cold experts:
+    /// yes while the expected cold (token, expert) pairs are few for the workers.
+    pub(crate) fn cold_on_cpu(&self, n_tok: i64) -> bool {
+        let (hot, cold) = (self.tally.hits[Tier::Hot as usize].load(Ordering::Relaxed), self.tally.hits[self.cold_tier as usize].load(Ordering::Relaxed));
+        let share = if hot + cold >= COLD_SHARE_MIN_COUNT { cold as f64 / (hot + cold) as f64 } else { self.cold_share_prior };
+        let expected = n_tok as f64 * self.n_used as f64 * share;
+        expected <= (COLD_PAIRS_PER_WORKER * self.cold_threads.max(COLD_MIN_WORKERS)) as f64
+    }
 }
+
+/// Selections a layer counts before its own cold share replaces the profile's.
+const COLD_SHARE_MIN_COUNT: u64 = 4096;
+/// Cold (token, expert) pairs per CPU worker up to which a prompt batch keeps them on the CPU.
+/// A pair costs the CPU about one expert's weights read once; a second GPU pass costs a whole
+/// batch of mul_mat_id plus the uploads. Not yet calibrated on a GPU.
+const COLD_PAIRS_PER_WORKER: i32 = 8;
+/// Workers assumed without a pool (the CPU backend's own threads).
+const COLD_MIN_WORKERS: i32 = 4;
 
 /// ggml contexts and buffers made for the tiers, freed with the layer.
 #[derive(Default)]
@@ -453,6 +482,15 @@ impl Alloc {
         }
     }
 
+    fn map_per_position(&self, n_expert: usize, n_used: usize, name: &str) -> T {
+        // SAFETY: ctx has room for the metadata.
+        unsafe {
+            let t = sys::ggml_new_tensor_3d(self.ctx, sys::GGML_TYPE_I32, 1, n_expert as i64, n_used as i64);
+            set_name(t, name);
+            t
+        }
+    }
+
     fn mask(&self, n_expert: usize, name: &str) -> T {
         // SAFETY: ctx has room for the metadata.
         unsafe {
@@ -580,8 +618,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let n_cold = cold_list.len();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
         let a = Alloc::new(7);
-        let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + 1, &format!("blk.{il}.exps.hot")))).expect("infallible"));
-        let hot_map = hot_mats.as_ref().map(|_| a.map(n_expert, &format!("blk.{il}.exps.hot_map")));
+        let n_used = plan.n_used.max(1);
+        let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible"));
+        let hot_map = hot_mats.as_ref().map(|_| a.map_per_position(n_expert, n_used, &format!("blk.{il}.exps.hot_map")));
         let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
@@ -601,12 +640,17 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
 
         let hot = match (hot_mats, hot_map) {
             (Some(mats), Some(map)) => {
-                let mut slots = vec![n_hot as i32; n_expert];
+                // Slice j of the map: expert -> its slot, or pad n_hot + j when cold.
+                let mut slot_in_list = vec![-1i32; n_expert];
                 for (slot, &e) in hot_list.iter().enumerate() {
-                    slots[e] = slot as i32;
+                    slot_in_list[e] = slot as i32;
+                }
+                let mut slots = Vec::with_capacity(n_expert * n_used);
+                for j in 0..n_used {
+                    slots.extend(slot_in_list.iter().map(|&s| if s >= 0 { s } else { (n_hot + j) as i32 }));
                 }
                 copy_experts(&src, &mats, &hot_list);
-                mats.iter().for_each(|d| zero_expert(d, n_hot));
+                (0..n_used).for_each(|j| mats.iter().for_each(|d| zero_expert(d, n_hot + j)));
                 set_map(map, &slots);
                 Some(Hot { mats, map })
             }
@@ -676,6 +720,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             cold_threads: plan.cold_threads,
             count_only: plan.count_only,
             flat_from: flat_from(gpu, quantized),
+            n_used,
+            cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
             tally: Tally::new(n_expert),
             _owned: owned,
         })));

@@ -13,7 +13,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::kernels::{down_rows, gate_up_rows, tally};
+use super::kernels::{down_rows, gate_up_rows, tally, weighted_output, weights};
 use super::LayerTiers;
 use crate::sys;
 
@@ -26,6 +26,8 @@ struct Job {
     n_used: usize,
     x: Vec<f32>,
     sel: Vec<i32>,
+    /// Routing weights, for prompt batches (the weighted output form).
+    w: Option<Vec<f32>>,
     h: Vec<f32>,
     out: Vec<f32>,
     /// h and out as launch left them: workers write disjoint rows through these.
@@ -123,7 +125,7 @@ fn worker(s: &Shared, i: usize) {
             gate_up_rows(lt, x, &job.sel, job.n_used, job.h_ptr as *mut f32, i, s.n);
             s.phase_a.fetch_add(1, Ordering::AcqRel);
             wait_until(|| s.phase_a.load(Ordering::Acquire) == s.n);
-            down_rows(lt, job.h_ptr as *const f32, &job.sel, job.out_ptr as *mut f32, i, s.n);
+            down_rows(lt, job.h_ptr as *const f32, &job.sel, job.w.as_deref(), job.n_used, job.out_ptr as *mut f32, i, s.n);
         }));
         if run.is_err() {
             // The join would wait for this worker forever and the layer's result is incomplete.
@@ -139,8 +141,9 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
     unsafe { &*(*dst).src[i] }
 }
 
-/// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, then the cold
-/// weight tensors (they place the op on the CPU). Writes one f32 (the join's dependency).
+/// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
+/// weights [1, n_used, n_tok], then the cold weight tensors (they place the op on the CPU).
+/// Writes one f32 (the join's dependency).
 pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     // ggml calls a custom op on every thread of the graph; one launches.
     if ith != 0 {
@@ -151,7 +154,7 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     let Some(pool) = POOL.get() else { return };
     let s = &pool.shared;
     // SAFETY: the graph builder gave this op these sources; sel is contiguous.
-    let (cur, sel) = unsafe { (src(dst, 0), src(dst, 1)) };
+    let (cur, sel, wt) = unsafe { (src(dst, 0), src(dst, 1), src(dst, 2)) };
     let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
     // A graph stopped between a launch and its join leaves a job running: let it finish.
     if s.generation.load(Ordering::Acquire) > 0 {
@@ -170,7 +173,13 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
         job.x.extend_from_slice(unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) });
     }
     job.h.resize(lt.n_ff * n_used * n_tok, 0.0);
-    job.out.resize(lt.n_embd * n_used * n_tok, 0.0);
+    if weighted_output(n_tok) {
+        weights(wt, job.w.get_or_insert_with(Vec::new));
+        job.out.resize(lt.n_embd * n_tok, 0.0);
+    } else {
+        job.w = None;
+        job.out.resize(lt.n_embd * n_used * n_tok, 0.0);
+    }
     job.h_ptr = job.h.as_mut_ptr() as usize;
     job.out_ptr = job.out.as_mut_ptr() as usize;
     tally(lt, &job.sel);
@@ -183,8 +192,7 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     unsafe { *((*dst).data as *mut f32) = 0.0 };
 }
 
-/// The join op. Source: the launch op's output. Writes [n_embd, n_used, n_tok]: down·h for cold
-/// slots, 0 for hot ones.
+/// The join op. Source: the launch op's output. Writes op B's output (kernels.rs).
 pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, _userdata: *mut c_void) {
     if ith != 0 {
         return;
