@@ -115,6 +115,10 @@ fn split_experts_match_the_unsplit_model() {
     let log = pooled.log.lock().unwrap().clone();
     assert!(log.contains("cold experts in decode on a pool of 2 workers"), "{log}");
     drop(pooled);
+    // ...and prompt batches with few cold selections on the pool as well.
+    let pooled = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "60", "--pool-workers", "2"], &[]);
+    assert_same(&ref_long, &generate(&pooled, LONG), "worker pool, nearly all hot, long prompt");
+    drop(pooled);
 
     // The graph GPUs get: one expert per mul_mat_id column, as the pad and stand-in ids repeat.
     let flat = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "30"], &[("STRATA_MOE_FLAT_IDS", "1")]);

@@ -24,7 +24,9 @@ const SPIN: u32 = 200_000;
 struct Job {
     lt: usize,
     n_used: usize,
+    /// Input rows of the tokens with a cold selection, and each token's row in it.
     x: Vec<f32>,
+    x_row: Vec<usize>,
     sel: Vec<i32>,
     /// Routing weights, for prompt batches (the weighted output form).
     w: Option<Vec<f32>>,
@@ -120,7 +122,7 @@ fn worker(s: &Shared, i: usize) {
         // SAFETY: launch stored a LayerTiers that the registry keeps alive while graphs run.
         let lt = unsafe { &*(job.lt as *const LayerTiers) };
         let n_embd = lt.n_embd;
-        let x = |t: usize| &job.x[t * n_embd..(t + 1) * n_embd];
+        let x = |t: usize| &job.x[job.x_row[t] * n_embd..(job.x_row[t] + 1) * n_embd];
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             gate_up_rows(lt, x, &job.sel, job.n_used, job.h_ptr as *mut f32, i, s.n);
             s.phase_a.fetch_add(1, Ordering::AcqRel);
@@ -168,9 +170,15 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     // SAFETY: sel holds n_used * n_tok contiguous ids.
     job.sel.extend_from_slice(unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) });
     job.x.clear();
+    job.x_row.clear();
     for t in 0..n_tok {
-        // SAFETY: cur row t holds n_embd floats.
-        job.x.extend_from_slice(unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) });
+        if job.sel[t * n_used..(t + 1) * n_used].iter().any(|&e| lt.cold_row(e).is_some()) {
+            job.x_row.push(job.x.len() / lt.n_embd);
+            // SAFETY: cur row t holds n_embd floats.
+            job.x.extend_from_slice(unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) });
+        } else {
+            job.x_row.push(usize::MAX);
+        }
     }
     job.h.resize(lt.n_ff * n_used * n_tok, 0.0);
     if weighted_output(n_tok) {
