@@ -111,14 +111,6 @@ impl ExpertConfig {
         }
     }
 
-    /// Flags accepted that do nothing yet in this build.
-    pub fn inert_flags(&self) -> Vec<String> {
-        let mut v = Vec::new();
-        if self.pcie_frac > 0.0 {
-            v.push(format!("--pcie-frac {} (misses are computed on the CPU; uploading them is not implemented yet)", self.pcie_frac));
-        }
-        v
-    }
 }
 
 /// What was checked before the model is loaded.
@@ -212,7 +204,9 @@ fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
         }
         let Some(i) = p.layout.layers.iter().position(|l| l.layer == layer) else { continue };
         let bytes = p.layout.layers[i].expert_bytes();
-        let pads = u64::from(p.layout.n_expert_used);
+        // Zero pads per routing position, and with --pcie-frac as many staging slots and pads.
+        let per_pos = if p.cfg.pcie_frac > 0.0 { 3 } else { 1 };
+        let pads = per_pos * u64::from(p.layout.n_expert_used);
         let cost = if hot[i].1.is_empty() { (1 + pads) * bytes } else { bytes };
         if used + cost > budget {
             break;
@@ -317,6 +311,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         stand_in,
         n_used: p.layout.n_expert_used as usize,
         cold_share,
+        pcie_frac: cfg.pcie_frac,
     };
     let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
@@ -353,7 +348,12 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
     strata_ffi::log_info(&format!(
         "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s\n",
         placement.experts[Tier::Hot as usize],
-        if cfg.pool_workers > 0 { format!("a pool of {} workers", cfg.pool_workers) } else { "the CPU backend's threads".into() }
+        match (cfg.pool_workers, cfg.pcie_frac) {
+            (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
+            (0, _) => "the CPU backend's threads".into(),
+            (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
+            (n, _) => format!("a pool of {n} workers"),
+        }
     ));
     let recorder = cfg.record.clone().map(|path| Recorder {
         path,
@@ -390,6 +390,11 @@ pub fn metrics_text() -> String {
     family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);
     family("expert_selections_total", "counter", "Selected experts served from each tier", st.totals);
     family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
+    out += &format!(
+        "# HELP strata:expert_uploads_total Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)\n\
+         # TYPE strata:expert_uploads_total counter\nstrata:expert_uploads_total {}\n",
+        moe::uploads()
+    );
     out
 }
 

@@ -99,9 +99,6 @@ fn serve(
     for flag in strata.own_flags().filter(|f| experts.is_none() || !experts::FLAGS.contains(f)) {
         eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
     }
-    for note in experts.iter().flat_map(experts::ExpertConfig::inert_flags) {
-        eprintln!("strata: warning: {note}");
-    }
     let cfg = params.to_json().context("reading parsed parameters")?;
     let hosts: Vec<String> = cfg["hostnames"]
         .as_array()

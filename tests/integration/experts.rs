@@ -120,6 +120,15 @@ fn split_experts_match_the_unsplit_model() {
     assert_same(&ref_long, &generate(&pooled, LONG), "worker pool, nearly all hot, long prompt");
     drop(pooled);
 
+    // --pcie-frac: half of each decode step's misses go to the staging slots, the rest to the pool.
+    let uploading = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &[]);
+    assert_same(&ref_short, &generate(&uploading, SHORT), "uploading half the misses, short prompt");
+    assert_same(&ref_long, &generate(&uploading, LONG), "uploading half the misses, long prompt");
+    let text = ureq::get(&format!("{}/metrics", uploading.base)).call().unwrap().into_string().unwrap();
+    let uploads: u64 = text.lines().find_map(|l| l.strip_prefix("strata:expert_uploads_total ")).expect("uploads metric").parse().unwrap();
+    assert!(uploads > 0 && uploads < metric(&uploading, "expert_selections_total", "mmap"), "{text}");
+    drop(uploading);
+
     // The graph GPUs get: one expert per mul_mat_id column, as the pad and stand-in ids repeat.
     let flat = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "30"], &[("STRATA_MOE_FLAT_IDS", "1")]);
     assert_same(&ref_short, &generate(&flat, SHORT), "one expert per column, short prompt");

@@ -87,12 +87,16 @@ impl G<'_> {
     }
 
     fn custom(&self, ne: [i64; 3], srcs: &mut [T], f: sys::ggml_custom_op_t, n_tasks: i32, lt: &LayerTiers) -> T {
+        self.custom_of(sys::GGML_TYPE_F32, ne, srcs, f, n_tasks, lt)
+    }
+
+    fn custom_of(&self, ty: sys::ggml_type, ne: [i64; 3], srcs: &mut [T], f: sys::ggml_custom_op_t, n_tasks: i32, lt: &LayerTiers) -> T {
         // SAFETY: srcs are live tensors; userdata (the LayerTiers) outlives every graph that
         // uses it (the registry keeps it until the model is freed, after all contexts).
         unsafe {
             sys::ggml_custom_4d(
                 self.ctx,
-                sys::GGML_TYPE_F32,
+                ty,
                 ne[0],
                 ne[1],
                 ne[2],
@@ -154,9 +158,18 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.cold_on_cpu(n_tok));
     let cold_srcs = || [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
 
+    // --pcie-frac: a share of this decode step's cold selections goes to the staging slots.
+    let upload_ids = lt.staging.as_ref().filter(|_| cold_cpu && !prompt && lt.pcie_frac > 0.0).map(|_| {
+        let mut srcs = vec![sel];
+        srcs.extend(lt.cold_tensors.down);
+        let u = g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(kernels::upload), 1, lt);
+        g.expand(u);
+        u
+    });
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
     let ticket = (cold_cpu && lt.cold_threads > 0).then(|| {
         let mut srcs = vec![args.cur, sel, args.weights];
+        srcs.extend(upload_ids);
         srcs.extend(cold_srcs());
         let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
         g.expand(t);
@@ -167,6 +180,16 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         g.expand(d);
         Some(d)
     });
+    let down_staged = upload_ids.zip(lt.staging.as_ref()).and_then(|(ids, st)| {
+        let d = g.ffn(&st.mats, ids, act, false)?;
+        g.expand(d);
+        Some(d)
+    });
+    // SAFETY: both are [n_embd, n_used, n_tok] graph tensors; staging is zero where not uploaded.
+    let down_hot = match (down_hot, down_staged) {
+        (Some(h), Some(s)) => Some(unsafe { sys::ggml_add(g.ctx, h, s) }),
+        (h, s) => h.or(s),
+    };
     // The cold tier as mul_mat_id: zero (pad or masked stand-in) where the hot tier computes.
     let down_cold = match lt.cold_map {
         Some(map) if lt.n_cold > 0 && !cold_cpu => {
@@ -195,9 +218,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         Some(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt))
     } else {
         let mut a_srcs = vec![args.cur, sel];
+        a_srcs.extend(upload_ids);
         a_srcs.extend(cold_srcs());
         let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
         let mut b_srcs = vec![h, sel, args.weights];
+        b_srcs.extend(upload_ids);
         b_srcs.extend(lt.cold_tensors.down);
         Some(g.custom(cold_ne, &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
     };

@@ -79,11 +79,12 @@ fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
     (start, (start + per).min(total))
 }
 
-/// (token, slot, cold row in the cold tensors) for every selected expert of the cold tier.
-fn cold_items(lt: &LayerTiers, sel: &[i32], n_used: usize) -> Vec<(usize, usize, usize)> {
+/// (token, slot, cold row in the cold tensors) for every selected expert of the cold tier that
+/// this step did not upload (`--pcie-frac`).
+fn cold_items(lt: &LayerTiers, sel: &[i32], n_used: usize, uploaded: &[bool]) -> Vec<(usize, usize, usize)> {
     let mut items = Vec::new();
     for (i, &e) in sel.iter().enumerate() {
-        if let Some(row) = lt.cold_row(e) {
+        if let Some(row) = lt.cold_row(e).filter(|_| !uploaded.get(i).copied().unwrap_or(false)) {
             items.push((i / n_used, i % n_used, row));
         }
     }
@@ -130,6 +131,22 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
     unsafe { &*(*dst).src[i] }
 }
 
+/// Source i when it is the upload op's ids (i32, made by [`upload`]), else None.
+pub(crate) unsafe fn src_opt<'a>(dst: *mut sys::ggml_tensor, i: usize) -> Option<&'a sys::ggml_tensor> {
+    // SAFETY: src entries are null or live tensors.
+    let t = unsafe { (*dst).src[i].as_ref()? };
+    (t.op == sys::GGML_OP_CUSTOM && t.type_ == sys::GGML_TYPE_I32).then_some(t)
+}
+
+/// Which selections the upload op sent to the staging slots (ids below the slot count).
+pub(crate) fn uploaded(lt: &LayerTiers, ids_t: Option<&sys::ggml_tensor>) -> Vec<bool> {
+    match (ids_t, lt.staging.as_ref()) {
+        // SAFETY: the upload op's output is contiguous i32.
+        (Some(t), Some(st)) => unsafe { ids(t) }.iter().map(|&s| (s as usize) < st.slots).collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// The ids of a contiguous [n_used, n_tok] i32 tensor.
 unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
     // SAFETY: the caller passes a contiguous i32 tensor.
@@ -137,11 +154,11 @@ unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
 }
 
 /// Thread `ith` of `nth`: act(gate·x) * (up·x) into `h` ([n_ff, n_used, n_tok]) for its share of
-/// the cold (token, slot) rows. `x(t)` is token t's input row.
-pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], sel: &[i32], n_used: usize, h: *mut f32, ith: usize, nth: usize) {
+/// the cold (token, slot) rows not `uploaded`. `x(t)` is token t's input row.
+pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], sel: &[i32], n_used: usize, uploaded: &[bool], h: *mut f32, ith: usize, nth: usize) {
     let n_embd = lt.n_embd;
     let n_ff = lt.n_ff;
-    let items = cold_items(lt, sel, n_used);
+    let items = cold_items(lt, sel, n_used, uploaded);
     let (r0, r1) = share(items.len() * n_ff, ith, nth);
     let cold = &lt.cold;
     let (g_mat, u_mat, u_off) = match (cold.gate, cold.up, cold.gate_up) {
@@ -182,8 +199,8 @@ pub(crate) fn weighted_output(n_tok: usize) -> bool {
 
 /// Thread `ith` of `nth`: its share of the rows of down·h over the cold slots, into `out`:
 /// [n_embd, n_used, n_tok] per slot (zeros for hot slots), or with `w` (`w[t * n_used + k]` is
-/// slot k's routing weight) each token's weighted sum, [n_embd, n_tok].
-pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], w: Option<&[f32]>, n_used: usize, out: *mut f32, ith: usize, nth: usize) {
+/// slot k's routing weight) each token's weighted sum, [n_embd, n_tok]. Uploaded slots count as hot.
+pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], uploaded: &[bool], w: Option<&[f32]>, n_used: usize, out: *mut f32, ith: usize, nth: usize) {
     let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
     let Some(d) = lt.cold.down else { return };
     let (r0, r1) = share(n_embd, ith, nth);
@@ -198,7 +215,7 @@ pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], w: Option<&
             let row = if w.is_some() { t } else { i };
             // SAFETY: as above, or out holds [n_embd, n_used, n_tok] and row i is (t, k).
             let o = unsafe { std::slice::from_raw_parts_mut(out.add(row * n_embd + r0), r1 - r0) };
-            let Some(slot) = lt.cold_row(sel[i]) else {
+            let Some(slot) = lt.cold_row(sel[i]).filter(|_| !uploaded.get(i).copied().unwrap_or(false)) else {
                 if w.is_none() {
                     o.fill(0.0);
                 }
@@ -231,8 +248,8 @@ pub(crate) fn weights(wt: &sys::ggml_tensor, out: &mut Vec<f32>) {
     }
 }
 
-/// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, then the cold weight
-/// tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
+/// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the upload op's ids
+/// when the step uploads (`--pcie-frac`), then the cold weight tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
 pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
@@ -247,12 +264,14 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
         // SAFETY: cur row t holds n_embd floats.
         unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) }
     };
+    // SAFETY: the builder puts the upload op's ids, when there is one, right after sel.
+    let uploaded = uploaded(lt, unsafe { src_opt(dst, 2) });
     // SAFETY: dst is a contiguous [n_ff, n_used, n_tok] f32 tensor.
-    gate_up_rows(lt, x, ids, sel.ne[0] as usize, unsafe { (*dst).data as *mut f32 }, ith as usize, nth as usize);
+    gate_up_rows(lt, x, ids, sel.ne[0] as usize, &uploaded, unsafe { (*dst).data as *mut f32 }, ith as usize, nth as usize);
 }
 
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok], the cold down tensor. Writes [n_embd, n_used, n_tok] or, for
+/// weights [1, n_used, n_tok], the upload op's ids when the step uploads, the cold down tensor. Writes [n_embd, n_used, n_tok] or, for
 /// prompt batches, [n_embd, n_tok] (see the module doc).
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.
@@ -265,7 +284,10 @@ pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: 
         weights(wt, &mut w);
     }
     // SAFETY: as above; dst is contiguous f32 of the shape the graph builder gave for this mode.
-    unsafe { down_rows(lt, h.data as *const f32, ids(sel), weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, ith as usize, nth as usize) };
+    // SAFETY: as in gate_up.
+    let uploaded = uploaded(lt, unsafe { src_opt(dst, 3) });
+    // SAFETY: as above.
+    unsafe { down_rows(lt, h.data as *const f32, ids(sel), &uploaded, weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, ith as usize, nth as usize) };
 }
 
 /// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).
@@ -280,4 +302,46 @@ pub(crate) unsafe extern "C" fn count(dst: *mut sys::ggml_tensor, ith: i32, _nth
         tally(lt, ids(src(dst, 0)));
         *((*dst).data as *mut f32) = 0.0;
     }
+}
+
+/// `--pcie-frac`: the upload op of a decode step. Sources: sel [n_used, n_tok] i32, then a cold
+/// weight tensor (it places the op on the CPU). Takes the first share of the step's cold
+/// selections (at most one per staging slot, distinct experts), copies those experts into the
+/// device's staging slots and writes dst [n_used, n_tok] i32: the staging slot of each uploaded
+/// selection, else the zero pad of its position. The CPU kernels then skip the uploaded ones.
+pub(crate) unsafe extern "C" fn upload(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
+    }
+    // SAFETY: as in gate_up.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op sel as its first source; dst is i32 of sel's shape.
+    let (sel, out) = unsafe {
+        let sel = src(dst, 0);
+        (ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
+    };
+    let Some(st) = lt.staging.as_ref() else { return };
+    let n_used = lt.n_used;
+    let misses = sel.iter().filter(|&&e| lt.cold_row(e).is_some()).count();
+    let mut budget = (misses as f64 * lt.pcie_frac).round() as usize;
+    let mut slot_of: Vec<(i32, usize)> = Vec::new();
+    for (i, &e) in sel.iter().enumerate() {
+        out[i] = (st.slots + i % n_used) as i32;
+        let Some(row) = lt.cold_row(e) else { continue };
+        if budget == 0 {
+            continue;
+        }
+        let slot = match slot_of.iter().find(|(x, _)| *x == e) {
+            Some(&(_, s)) => s,
+            None if slot_of.len() < st.slots => {
+                st.fill(slot_of.len(), &lt.cold, row);
+                slot_of.push((e, slot_of.len()));
+                slot_of.len() - 1
+            }
+            None => continue,
+        };
+        out[i] = slot as i32;
+        budget -= 1;
+    }
+    lt.tally.uploads.fetch_add(slot_of.len() as u64, Ordering::Relaxed);
 }

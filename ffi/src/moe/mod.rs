@@ -104,6 +104,9 @@ pub struct Plan {
     /// Per layer, the expected share of selections that miss the hot tier (from the profile),
     /// until the layer has counted enough of its own. Layers not listed: cold experts / all.
     pub cold_share: Vec<(i32, f64)>,
+    /// Share of each decode step's cold selections uploaded to staging slots instead of computed
+    /// on the CPU (0: none).
+    pub pcie_frac: f64,
 }
 
 /// Experts and bytes per tier after placement.
@@ -119,11 +122,13 @@ pub struct Placement {
 pub struct Tally {
     hits: [AtomicU64; 3],
     per_expert: Vec<AtomicU64>,
+    /// Cold experts copied to the staging slots in decode (`--pcie-frac`).
+    pub uploads: AtomicU64,
 }
 
 impl Tally {
     fn new(n_expert: usize) -> Self {
-        Self { hits: Default::default(), per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect() }
+        Self { hits: Default::default(), per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect(), uploads: AtomicU64::new(0) }
     }
 }
 
@@ -151,6 +156,25 @@ impl<T: Copy> Mats<T> {
 }
 
 type T = *mut sys::ggml_tensor;
+
+/// `--pcie-frac`: device slots that a decode step fills with some of its cold experts (then
+/// computed there instead of on the CPU), plus one zero pad per routing position.
+pub(crate) struct Staging {
+    pub mats: Mats<T>,
+    /// Upload slots; the pads follow them.
+    pub slots: usize,
+}
+
+impl Staging {
+    /// Copies cold row `row` of every matrix into staging slot `slot` (a synchronous copy).
+    pub(crate) fn fill(&self, slot: usize, cold: &Mats<kernels::ColdMat>, row: usize) {
+        for (c, d) in [cold.up, cold.gate, cold.down, cold.gate_up].into_iter().flatten().zip(self.mats.iter()) {
+            // SAFETY: c addresses the cold tensor's host data with row < its experts; d has more
+            // than `slot` experts of the same stride.
+            unsafe { sys::ggml_backend_tensor_set(d, c.data.add(row * c.nb2).cast(), slot * c.nb2, c.nb2) };
+        }
+    }
+}
 
 /// The hot tier of a layer: its experts plus one zero pad per routing position, and the map
 /// [1, n_expert, n_used] i32 whose slice j sends expert e to its slot, or a cold one to pad j
@@ -189,6 +213,8 @@ pub(crate) struct LayerTiers {
     pub n_used: usize,
     /// Expected share of selections in the cold tier before the tally has enough of its own.
     cold_share_prior: f64,
+    pub staging: Option<Staging>,
+    pub pcie_frac: f64,
     pub tally: Tally,
     _owned: Owned,
 }
@@ -360,6 +386,11 @@ pub fn hits() -> [u64; 3] {
         }
     }
     out
+}
+
+/// Cold experts uploaded to staging slots (`--pcie-frac`) over every tiered layer.
+pub fn uploads() -> u64 {
+    REGISTRY.read().map_or(0, |r| r.as_ref().into_iter().flat_map(HashMap::values).map(|lt| lt.tally.uploads.load(Ordering::Relaxed)).sum())
 }
 
 /// Selections per (layer, expert) of `model` since it was attached, by layer.
@@ -617,14 +648,16 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let copy = cold_buft.filter(|_| !cold_list.is_empty());
         let n_cold = cold_list.len();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
-        let a = Alloc::new(7);
+        let a = Alloc::new(12);
         let n_used = plan.n_used.max(1);
         let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible"));
         let hot_map = hot_mats.as_ref().map(|_| a.map_per_position(n_expert, n_used, &format!("blk.{il}.exps.hot_map")));
         let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
-        if hot_map.is_some() || cold_map.is_some() {
+        let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
+            .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
+        if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() {
             a.commit(hot_buft, &mut owned, &format!("layer {il} hot experts"))?;
         } else {
             owned.ctxs.push(a.ctx);
@@ -656,6 +689,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             }
             _ => None,
         };
+        let staging = staging_mats.map(|mats| {
+            (n_used..2 * n_used).for_each(|j| mats.iter().for_each(|d| zero_expert(d, j)));
+            Staging { mats, slots: n_used }
+        });
         let mut cold_rows = vec![-1i32; n_expert];
         let (cold_tensors, cold_tier) = match (copy_mats, cold_map) {
             (Some(mats), Some(map)) => {
@@ -722,6 +759,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             flat_from: flat_from(gpu, quantized),
             n_used,
             cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
+            staging,
+            pcie_frac: plan.pcie_frac,
             tally: Tally::new(n_expert),
             _owned: owned,
         })));

@@ -13,7 +13,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::kernels::{down_rows, gate_up_rows, tally, weighted_output, weights};
+use super::kernels::{down_rows, gate_up_rows, src_opt, tally, uploaded, weighted_output, weights};
 use super::LayerTiers;
 use crate::sys;
 
@@ -27,6 +27,7 @@ struct Job {
     /// Input rows of the tokens with a cold selection, and each token's row in it.
     x: Vec<f32>,
     x_row: Vec<usize>,
+    uploaded: Vec<bool>,
     sel: Vec<i32>,
     /// Routing weights, for prompt batches (the weighted output form).
     w: Option<Vec<f32>>,
@@ -124,10 +125,10 @@ fn worker(s: &Shared, i: usize) {
         let n_embd = lt.n_embd;
         let x = |t: usize| &job.x[job.x_row[t] * n_embd..(job.x_row[t] + 1) * n_embd];
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            gate_up_rows(lt, x, &job.sel, job.n_used, job.h_ptr as *mut f32, i, s.n);
+            gate_up_rows(lt, x, &job.sel, job.n_used, &job.uploaded, job.h_ptr as *mut f32, i, s.n);
             s.phase_a.fetch_add(1, Ordering::AcqRel);
             wait_until(|| s.phase_a.load(Ordering::Acquire) == s.n);
-            down_rows(lt, job.h_ptr as *const f32, &job.sel, job.w.as_deref(), job.n_used, job.out_ptr as *mut f32, i, s.n);
+            down_rows(lt, job.h_ptr as *const f32, &job.sel, &job.uploaded, job.w.as_deref(), job.n_used, job.out_ptr as *mut f32, i, s.n);
         }));
         if run.is_err() {
             // The join would wait for this worker forever and the layer's result is incomplete.
@@ -144,7 +145,8 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
 }
 
 /// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok], then the cold weight tensors (they place the op on the CPU).
+/// weights [1, n_used, n_tok], the upload op's ids when the step uploads (`--pcie-frac`), then
+/// the cold weight tensors (they place the op on the CPU).
 /// Writes one f32 (the join's dependency).
 pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     // ggml calls a custom op on every thread of the graph; one launches.
@@ -169,6 +171,8 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     job.sel.clear();
     // SAFETY: sel holds n_used * n_tok contiguous ids.
     job.sel.extend_from_slice(unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) });
+    // SAFETY: the builder puts the upload op's ids, when there is one, after the weights.
+    job.uploaded = uploaded(lt, unsafe { src_opt(dst, 3) });
     job.x.clear();
     job.x_row.clear();
     for t in 0..n_tok {
