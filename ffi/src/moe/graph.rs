@@ -129,9 +129,11 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 /// (unsupported activation, a layer only being counted, or routing of another width).
 ///
 /// Decode batches, and prompt batches whose cold selections are expected to be few, compute the
-/// cold selections on the CPU (custom ops, or the worker pool overlapping the hot tier), as a
-/// weighted sum added to the hot tier's. Other prompt batches run the cold tier as a second
-/// mul_mat_id, which ggml offloads to the GPU uploading only the experts used.
+/// cold selections on the CPU (custom ops, or the worker pool overlapping the hot tier): per
+/// slot in decode, added before weighting; as a weighted sum in prompt batches. With
+/// `--pcie-frac`, decode sends a share of them to staging slots on the GPU instead. Other prompt
+/// batches run the cold tier as a second mul_mat_id, which ggml offloads to the GPU uploading
+/// only the experts used.
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
