@@ -249,7 +249,8 @@ pub(crate) fn weights(wt: &sys::ggml_tensor, out: &mut Vec<f32>) {
 }
 
 /// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the upload op's ids
-/// when the step uploads (`--pcie-frac`), then the cold weight tensors (only used to place the op on the CPU; the kernel reads `LayerTiers::cold`).
+/// when the step uploads (`--pcie-frac`), then the cold weight tensors (only used to place the
+/// op on the CPU; the kernel reads `LayerTiers::cold`).
 pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
@@ -271,8 +272,8 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
 }
 
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok], the upload op's ids when the step uploads, the cold down tensor. Writes [n_embd, n_used, n_tok] or, for
-/// prompt batches, [n_embd, n_tok] (see the module doc).
+/// weights [1, n_used, n_tok], the upload op's ids when the step uploads, the cold down tensor.
+/// Writes [n_embd, n_used, n_tok] or, for prompt batches, [n_embd, n_tok] (see the module doc).
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
@@ -283,10 +284,9 @@ pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: 
     if weighted {
         weights(wt, &mut w);
     }
-    // SAFETY: as above; dst is contiguous f32 of the shape the graph builder gave for this mode.
-    // SAFETY: as in gate_up.
+    // SAFETY: the builder puts the upload op's ids, when there is one, after the weights.
     let uploaded = uploaded(lt, unsafe { src_opt(dst, 3) });
-    // SAFETY: as above.
+    // SAFETY: dst is contiguous f32 of the shape the graph builder gave for this mode.
     unsafe { down_rows(lt, h.data as *const f32, ids(sel), &uploaded, weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, ith as usize, nth as usize) };
 }
 
