@@ -110,7 +110,6 @@ impl ExpertConfig {
             &[]
         }
     }
-
 }
 
 /// What was checked before the model is loaded.

@@ -168,7 +168,7 @@ pub(crate) struct Staging {
 impl Staging {
     /// Copies cold row `row` of every matrix into staging slot `slot` (a synchronous copy).
     pub(crate) fn fill(&self, slot: usize, cold: &Mats<kernels::ColdMat>, row: usize) {
-        for (c, d) in [cold.up, cold.gate, cold.down, cold.gate_up].into_iter().flatten().zip(self.mats.iter()) {
+        for (c, d) in cold.iter().zip(self.mats.iter()) {
             // SAFETY: c addresses the cold tensor's host data with row < its experts; d has more
             // than `slot` experts of the same stride.
             unsafe { sys::ggml_backend_tensor_set(d, c.data.add(row * c.nb2).cast(), slot * c.nb2, c.nb2) };
@@ -208,7 +208,8 @@ pub(crate) struct LayerTiers {
     pub n_cold: usize,
     pub cold_threads: i32,
     pub count_only: bool,
-    /// Batches of at least this many tokens run mul_mat_id with one expert per column.
+    /// Batches of at least this many tokens run the cold tier's mul_mat_id pass with one expert
+    /// per column.
     pub flat_from: i64,
     pub n_used: usize,
     /// Expected share of selections in the cold tier before the tally has enough of its own.
@@ -309,11 +310,8 @@ impl Hooks for MoeHooks {
         if model.is_null() {
             return 0;
         }
-        // SAFETY: llama.cpp passes a loaded model, live for the call.
-        let n_layer = unsafe { sys::llama_model_n_layer(model) + sys::llama_model_n_layer_nextn(model) };
-        let mut out = sys::strata_expert_tensors { up_exps: null_mut(), gate_exps: null_mut(), down_exps: null_mut(), gate_up_exps: null_mut() };
-        // SAFETY: valid model and out pointer.
-        let n = (0..n_layer.max(0)).filter(|&il| unsafe { sys::strata_model_expert_tensors(model, il, &mut out) } && !out.down_exps.is_null()).count();
+        // llama.cpp passes a loaded model, live for the call.
+        let n = (0..n_blocks(model)).filter(|&il| expert_tensors(model, il).is_some()).count();
         n as u32 * graph::EXTRA_NODES_PER_LAYER
     }
 }
@@ -326,10 +324,17 @@ pub fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
     res
 }
 
-fn expert_tensors(model: &Model, il: i32) -> Option<Mats<T>> {
+/// Blocks of a loaded model: the trunk, then the NextN (MTP) layers, which may have experts too.
+fn n_blocks(model: *const sys::llama_model) -> i32 {
+    // SAFETY: the caller passes a loaded model.
+    unsafe { sys::llama_model_n_layer(model) + sys::llama_model_n_layer_nextn(model) }.max(0)
+}
+
+/// The routed-expert tensors of block `il` of a loaded model, or None without experts.
+fn expert_tensors(model: *const sys::llama_model, il: i32) -> Option<Mats<T>> {
     let mut out = sys::strata_expert_tensors { up_exps: null_mut(), gate_exps: null_mut(), down_exps: null_mut(), gate_up_exps: null_mut() };
-    // SAFETY: valid model and out pointer.
-    if !unsafe { sys::strata_model_expert_tensors(model.as_ptr(), il, &mut out) } || out.down_exps.is_null() {
+    // SAFETY: the caller passes a loaded model; out is a valid pointer.
+    if !unsafe { sys::strata_model_expert_tensors(model, il, &mut out) } || out.down_exps.is_null() {
         return None;
     }
     let nn = |t: T| (!t.is_null()).then_some(t);
@@ -349,11 +354,9 @@ fn buffer_name(t: T) -> String {
 
 /// The model's MoE layers (those with routed-expert tensors), in layer order.
 pub fn expert_layers(model: &Model) -> Vec<ExpertLayer> {
-    // SAFETY: valid model. NextN (MTP) layers follow the trunk and may have experts too.
-    let n_layer = unsafe { sys::llama_model_n_layer(model.as_ptr()) + sys::llama_model_n_layer_nextn(model.as_ptr()) };
     let mut out = Vec::new();
-    for il in 0..n_layer.max(0) {
-        let Some(m) = expert_tensors(model, il) else { continue };
+    for il in 0..n_blocks(model.as_ptr()) {
+        let Some(m) = expert_tensors(model.as_ptr(), il) else { continue };
         let Some(down) = m.down else { continue };
         // SAFETY: live model tensors.
         let (d, bytes, host) = unsafe {
@@ -461,8 +464,8 @@ fn type_name(ty: sys::ggml_type) -> String {
     unsafe { std::ffi::CStr::from_ptr(sys::ggml_type_name(ty)).to_string_lossy().into_owned() }
 }
 
-/// The batch size from which a tiered layer gives mul_mat_id one expert per column. The expert
-/// maps repeat an id within a token (the pad slot, the stand-in), which the grouped CUDA/HIP
+/// The batch size from which the cold tier's mul_mat_id pass gives one expert per column. Its
+/// map repeats an id within a token (the pad row, the stand-in), which the grouped CUDA/HIP
 /// kernels do not allow; their vector kernels (always used below 4 tokens for quantized
 /// weights) and the CPU do. STRATA_MOE_FLAT_IDS=1 flattens every batch (tests of that graph).
 fn flat_from(gpu: bool, quantized: bool) -> i64 {
@@ -633,7 +636,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         if !info.host && !plan.count_only {
             return Err(PlaceError::NotHost { layer: *il, buffer: info.buffer.clone() });
         }
-        let src = expert_tensors(model, *il).ok_or(PlaceError::NoLayer(*il))?;
+        let src = expert_tensors(model.as_ptr(), *il).ok_or(PlaceError::NoLayer(*il))?;
         let n_expert = info.n_expert;
         let mut slot_of = vec![-1i32; n_expert];
         for (slot, &e) in hot_ids.iter().enumerate() {
