@@ -347,12 +347,12 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
     strata_ffi::log_info(&format!(
         "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s\n",
         placement.experts[Tier::Hot as usize],
-        match (cfg.pool_workers, cfg.pcie_frac) {
+        match (placement.workers, cfg.pcie_frac) {
             (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
             (0, _) => "the CPU backend's threads".into(),
             (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
             (n, _) => format!("a pool of {n} workers"),
-        }
+        } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" }
     ));
     let recorder = cfg.record.clone().map(|path| Recorder {
         path,

@@ -120,6 +120,17 @@ fn split_experts_match_the_unsplit_model() {
     assert_same(&ref_long, &generate(&pooled, LONG), "worker pool, nearly all hot, long prompt");
     drop(pooled);
 
+    // The host-op form GPUs with patches/0002 get (one op per layer for the cold selections),
+    // run here by the CPU backend: on the pool and on the op's own thread, decode and prompt.
+    for (workers, cache) in [("2", "30"), ("0", "30"), ("2", "60")] {
+        let s = Server::start(&["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", cache, "--pool-workers", workers], &[("STRATA_MOE_HOST_OP", "1")]);
+        let what = format!("host op, {workers} workers, {cache} hot");
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        let log = s.log.lock().unwrap().clone();
+        assert!(log.contains("one host op per layer"), "{log}");
+    }
+
     // --pcie-frac: half of each decode step's misses go to the staging slots, the rest to the pool.
     let uploading = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &[]);
     assert_same(&ref_short, &generate(&uploading, SHORT), "uploading half the misses, short prompt");

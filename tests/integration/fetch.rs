@@ -92,6 +92,7 @@ fn mini_tree(name: &str) -> PathBuf {
     let pristine = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     let tree = tmp(name);
     for f in [
+        "ggml/src/ggml-cuda/ggml-cuda.cu",
         "include/llama.h",
         "src/CMakeLists.txt",
         "src/llama-context.cpp",

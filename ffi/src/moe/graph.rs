@@ -133,7 +133,8 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 /// slot in decode, added before weighting; as a weighted sum in prompt batches. With
 /// `--pcie-frac`, decode sends a share of them to staging slots on the GPU instead. Other prompt
 /// batches run the cold tier as a second mul_mat_id, which ggml offloads to the GPU uploading
-/// only the experts used.
+/// only the experts used. Where the GPU backend takes host ops, the CPU part is one op in its
+/// stream (pool::step).
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
@@ -168,8 +169,10 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         g.expand(u);
         u
     });
+    // A host op keeps the layer in the GPU's stream; it does not take `--pcie-frac` uploads.
+    let host_step = cold_cpu && lt.host_op && upload_ids.is_none();
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
-    let ticket = (cold_cpu && lt.cold_threads > 0).then(|| {
+    let ticket = (cold_cpu && !host_step && lt.cold_threads > 0).then(|| {
         let mut srcs = vec![args.cur, sel, args.weights];
         srcs.extend(upload_ids);
         srcs.extend(cold_srcs());
@@ -216,6 +219,9 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let cold_ne = if weighted_cold { [n_embd, n_tok, 1] } else { [n_embd, n_used, n_tok] };
     let cold_cpu_out = if !cold_cpu {
         None
+    } else if host_step {
+        // No cold weight among the sources: the op goes where its inputs are.
+        Some(g.custom(cold_ne, &mut [args.cur, sel, args.weights], Some(pool::step), 1, lt))
     } else if let Some(t) = ticket {
         Some(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt))
     } else {

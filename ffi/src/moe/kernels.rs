@@ -73,7 +73,7 @@ impl CpuTraits {
 }
 
 /// Splits `total` work items across `nth` threads; thread `ith` gets `[start, end)`.
-fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
+pub(crate) fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
     let per = total.div_ceil(nth.max(1));
     let start = (ith * per).min(total);
     (start, (start + per).min(total))
@@ -81,7 +81,7 @@ fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
 
 /// (token, slot, cold row in the cold tensors) for every selected expert of the cold tier that
 /// this step did not upload (`--pcie-frac`).
-fn cold_items(lt: &LayerTiers, sel: &[i32], n_used: usize, uploaded: &[bool]) -> Vec<(usize, usize, usize)> {
+pub(crate) fn cold_items(lt: &LayerTiers, sel: &[i32], n_used: usize, uploaded: &[bool]) -> Vec<(usize, usize, usize)> {
     let mut items = Vec::new();
     for (i, &e) in sel.iter().enumerate() {
         if let Some(row) = lt.cold_row(e).filter(|_| !uploaded.get(i).copied().unwrap_or(false)) {
@@ -153,13 +153,11 @@ unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
     unsafe { std::slice::from_raw_parts(sel.data as *const i32, (sel.ne[0] * sel.ne[1]) as usize) }
 }
 
-/// Thread `ith` of `nth`: act(gate·x) * (up·x) into `h` ([n_ff, n_used, n_tok]) for its share of
-/// the cold (token, slot) rows not `uploaded`. `x(t)` is token t's input row.
-pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], sel: &[i32], n_used: usize, uploaded: &[bool], h: *mut f32, ith: usize, nth: usize) {
+/// act(gate·x) * (up·x) into `h` ([n_ff, n_used, n_tok]) for rows `r0..r1` of the
+/// `items.len() * n_ff` rows of the cold items ([`cold_items`]). `x(t)` is token t's input row.
+pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], items: &[(usize, usize, usize)], n_used: usize, h: *mut f32, r0: usize, r1: usize) {
     let n_embd = lt.n_embd;
     let n_ff = lt.n_ff;
-    let items = cold_items(lt, sel, n_used, uploaded);
-    let (r0, r1) = share(items.len() * n_ff, ith, nth);
     let cold = &lt.cold;
     let (g_mat, u_mat, u_off) = match (cold.gate, cold.up, cold.gate_up) {
         (_, _, Some(gu)) => (Some(gu), gu, n_ff),
@@ -197,13 +195,12 @@ pub(crate) fn weighted_output(n_tok: usize) -> bool {
     n_tok as i64 >= super::OFFLOAD_MIN_BATCH
 }
 
-/// Thread `ith` of `nth`: its share of the rows of down·h over the cold slots, into `out`:
-/// [n_embd, n_used, n_tok] per slot (zeros for hot slots), or with `w` (`w[t * n_used + k]` is
-/// slot k's routing weight) each token's weighted sum, [n_embd, n_tok]. Uploaded slots count as hot.
-pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], uploaded: &[bool], w: Option<&[f32]>, n_used: usize, out: *mut f32, ith: usize, nth: usize) {
+/// Rows `r0..r1` (of n_embd) of down·h over the cold slots, into `out`: [n_embd, n_used, n_tok]
+/// per slot (zeros for hot slots), or with `w` (`w[t * n_used + k]` is slot k's routing weight)
+/// each token's weighted sum, [n_embd, n_tok]. Uploaded slots count as hot.
+pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], uploaded: &[bool], w: Option<&[f32]>, n_used: usize, out: *mut f32, r0: usize, r1: usize) {
     let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
     let Some(d) = lt.cold.down else { return };
-    let (r0, r1) = share(n_embd, ith, nth);
     let mut hq = Vec::new();
     for t in 0..sel.len() / n_used.max(1) {
         if w.is_some() {
@@ -267,8 +264,11 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
     };
     // SAFETY: the builder puts the upload op's ids, when there is one, right after sel.
     let uploaded = uploaded(lt, unsafe { src_opt(dst, 2) });
+    let n_used = sel.ne[0] as usize;
+    let items = cold_items(lt, ids, n_used, &uploaded);
+    let (r0, r1) = share(items.len() * lt.n_ff, ith as usize, nth as usize);
     // SAFETY: dst is a contiguous [n_ff, n_used, n_tok] f32 tensor.
-    gate_up_rows(lt, x, ids, sel.ne[0] as usize, &uploaded, unsafe { (*dst).data as *mut f32 }, ith as usize, nth as usize);
+    gate_up_rows(lt, x, &items, n_used, unsafe { (*dst).data as *mut f32 }, r0, r1);
 }
 
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
@@ -286,8 +286,9 @@ pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: 
     }
     // SAFETY: the builder puts the upload op's ids, when there is one, after the weights.
     let uploaded = uploaded(lt, unsafe { src_opt(dst, 3) });
+    let (r0, r1) = share(lt.n_embd, ith as usize, nth as usize);
     // SAFETY: dst is contiguous f32 of the shape the graph builder gave for this mode.
-    unsafe { down_rows(lt, h.data as *const f32, ids(sel), &uploaded, weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, ith as usize, nth as usize) };
+    unsafe { down_rows(lt, h.data as *const f32, ids(sel), &uploaded, weighted.then_some(&w[..]), sel.ne[0] as usize, (*dst).data as *mut f32, r0, r1) };
 }
 
 /// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).

@@ -116,6 +116,10 @@ pub struct Placement {
     pub bytes: [u64; 3],
     /// The device that holds the hot tier ("CUDA0", or "CPU" without a GPU).
     pub hot_device: String,
+    /// Whether the CPU part of a tiered layer runs as a host op in the GPU's stream.
+    pub host_ops: bool,
+    /// Workers of the cold-expert pool (0: none).
+    pub workers: usize,
 }
 
 /// Selections counted per tier and per expert since the model was attached.
@@ -216,6 +220,8 @@ pub(crate) struct LayerTiers {
     cold_share_prior: f64,
     pub staging: Option<Staging>,
     pub pcie_frac: f64,
+    /// The cold selections run as one host op (`pool::step`) instead of CPU-backend ops.
+    pub host_op: bool,
     pub tally: Tally,
     _owned: Owned,
 }
@@ -479,6 +485,29 @@ fn flat_from(gpu: bool, quantized: bool) -> i64 {
     }
 }
 
+/// Whether the cold selections run as one host op per layer (`pool::step`): only with
+/// STRATA_MOE_HOST_OP=1. A GPU backend with host ops (patches/0002) then runs the op in its
+/// stream, so the layer stays one device split; on the H200 that measured slower than the
+/// scheduler's CPU splits (docs/expert-tiers.md), hence not the default. Elsewhere the CPU
+/// runs it as an ordinary op (tests of that graph).
+fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool) -> bool {
+    if std::env::var("STRATA_MOE_HOST_OP").as_deref() != Ok("1") {
+        return false;
+    }
+    if gpu {
+        type Register = unsafe extern "C" fn(sys::ggml_custom_op_t);
+        // SAFETY: dev is a registered device; the proc address, when present, has the Register
+        // signature (patches/0002) and keeps the function pointer for the process's lifetime.
+        unsafe {
+            let f = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_register_host_op".as_ptr());
+            if !f.is_null() {
+                std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(pool::step));
+            }
+        }
+    }
+    true
+}
+
 /// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
 /// buffer of `buft`.
 struct Alloc {
@@ -605,13 +634,22 @@ fn set_map(t: T, map: &[i32]) {
 /// before the first graph that should use the tiers is built.
 pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, PlaceError> {
     install_hook()?;
-    if plan.cold_threads > 0 && !plan.count_only {
-        pool::get(plan.cold_threads as usize);
-    }
     let layers = expert_layers(model);
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
     let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
+    let host_op = !plan.count_only && host_ops(dev, gpu);
+    let mut workers = 0;
+    if plan.cold_threads > 0 && !plan.count_only {
+        workers = plan.cold_threads as usize;
+        if host_op {
+            // The GPU's callback thread and the thread waiting on the stream spin as well; a
+            // worker without a core of its own stalls every step's barrier by a time slice.
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            workers = workers.min(cores.saturating_sub(2)).max(1);
+        }
+        workers = pool::get(workers).workers();
+    }
     // SAFETY: valid device.
     let (hot_buft, dev_name) = unsafe {
         (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned())
@@ -629,7 +667,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Some(b)
         }
     };
-    let mut placement = Placement { hot_device: dev_name.clone(), ..Default::default() };
+    let mut placement = Placement { hot_device: dev_name.clone(), host_ops: host_op, workers, ..Default::default() };
     let mut entries = Vec::new();
     for (il, hot_ids) in &plan.hot {
         let info = layers.iter().find(|l| l.layer == *il).ok_or(PlaceError::NoLayer(*il))?;
@@ -764,6 +802,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
             staging,
             pcie_frac: plan.pcie_frac,
+            host_op,
             tally: Tally::new(n_expert),
             _owned: owned,
         })));

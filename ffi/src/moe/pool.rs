@@ -4,21 +4,31 @@
 //!   launch (CPU, one thread) -> the hot tier (GPU, queued asynchronously) -> join (CPU, one thread)
 //!
 //! launch copies the token rows and the selections into the job and wakes the workers; join
-//! waits for them and copies the result out. ggml's scheduler runs the GPU split between the two
-//! without waiting for it, so the CPU and the GPU overlap. One job runs at a time: the graph
-//! orders every layer's join before the next layer's launch.
+//! takes part in the work, waits for the rest and copies the result out. ggml's scheduler runs
+//! the GPU split between the two without waiting for it, so the CPU and the GPU overlap. One job
+//! runs at a time: the graph orders every layer's join before the next layer's launch.
+//!
+//! Where the GPU backend runs host ops (patches/0002), `step` does launch and join in one op
+//! inside the GPU's stream instead: no overlap, but no scheduler split and sync per layer, which
+//! cost more than the few cold experts of a decode step.
+//!
+//! A job has two phases (gate/up, then down), each cut into chunks that whoever runs claims: a
+//! worker without a core (the machine oversubscribed) delays nobody, as the caller and the other
+//! workers take its chunks.
 
 use std::cell::UnsafeCell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::kernels::{down_rows, gate_up_rows, src_opt, tally, uploaded, weighted_output, weights};
+use super::kernels::{cold_items, down_rows, gate_up_rows, src_opt, tally, uploaded, weighted_output, weights};
 use super::LayerTiers;
 use crate::sys;
 
 /// Spins before a worker sleeps: decode launches a job per layer every few tens of microseconds.
 const SPIN: u32 = 200_000;
+/// Fewest rows (dot products of one weight row) in a chunk.
+const MIN_CHUNK_ROWS: usize = 16;
 
 #[derive(Default)]
 struct Job {
@@ -29,30 +39,45 @@ struct Job {
     x_row: Vec<usize>,
     uploaded: Vec<bool>,
     sel: Vec<i32>,
+    /// (token, slot, cold row) of each cold selection to compute.
+    items: Vec<(usize, usize, usize)>,
     /// Routing weights, for prompt batches (the weighted output form).
     w: Option<Vec<f32>>,
     h: Vec<f32>,
     out: Vec<f32>,
-    /// h and out as launch left them: workers write disjoint rows through these.
+    /// h and out as launch left them: chunks write disjoint rows through these.
     h_ptr: usize,
     out_ptr: usize,
+    /// Rows of each phase and rows per chunk.
+    rows: [usize; 2],
+    chunk: [usize; 2],
+}
+
+impl Job {
+    fn chunks(&self, phase: usize) -> usize {
+        self.rows[phase].div_ceil(self.chunk[phase])
+    }
 }
 
 struct Shared {
     n: usize,
     job: UnsafeCell<Job>,
-    /// Incremented by launch; workers run the job of each new value once.
+    /// Incremented by launch; wakes the workers.
     generation: AtomicU64,
-    /// Workers done with the gate/up phase, then with the job.
-    phase_a: AtomicUsize,
-    done: AtomicUsize,
+    /// Per phase: the job's generation (high 32 bits) and the next chunk to claim, so that a
+    /// claim can only take a chunk of the job it was made for.
+    claim: [AtomicU64; 2],
+    /// Chunks finished per phase of the current job.
+    finished: [AtomicUsize; 2],
+    /// Chunks per phase of the current job (set before its claims open).
+    chunks: [AtomicUsize; 2],
     sleep: Mutex<()>,
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by launch, while no worker runs (the previous job was joined),
-// and read by workers only between a generation bump and `done`; the phases give each worker
-// disjoint output rows.
+// SAFETY: `job` is written only by launch, while no chunk of the previous job is claimed or
+// running, and read by a chunk's runner only after its claim succeeded (the job cannot finish,
+// so cannot be replaced, before that chunk is counted finished); chunks write disjoint rows.
 unsafe impl Sync for Shared {}
 
 pub(crate) struct Pool {
@@ -67,19 +92,24 @@ pub(crate) fn get(n: usize) -> &'static Pool {
 }
 
 impl Pool {
+    pub(crate) fn workers(&self) -> usize {
+        self.shared.n
+    }
+
     fn start(n: usize) -> Pool {
         let shared = Arc::new(Shared {
             n,
             job: UnsafeCell::new(Job::default()),
             generation: AtomicU64::new(0),
-            phase_a: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
+            claim: [AtomicU64::new(0), AtomicU64::new(0)],
+            finished: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            chunks: [AtomicUsize::new(0), AtomicUsize::new(0)],
             sleep: Mutex::new(()),
             wake: Condvar::new(),
         });
-        for i in 0..n {
+        for _ in 0..n {
             let s = shared.clone();
-            std::thread::Builder::new().name(format!("strata-cold-{i}")).spawn(move || worker(&s, i)).expect("spawn a cold-expert worker");
+            std::thread::Builder::new().name("strata-cold".into()).spawn(move || worker(&s)).expect("spawn a cold-expert worker");
         }
         Pool { shared }
     }
@@ -97,7 +127,67 @@ fn wait_until(mut ready: impl FnMut() -> bool) {
     }
 }
 
-fn worker(s: &Shared, i: usize) {
+fn tag(gen: u64) -> u64 {
+    gen & 0xffff_ffff
+}
+
+impl Shared {
+    /// Claims and runs chunks of `phase` of job `gen` until none is left; false when that job
+    /// is no longer the current one.
+    fn work(&self, gen: u64, phase: usize) -> bool {
+        loop {
+            let v = self.claim[phase].load(Ordering::Acquire);
+            if v >> 32 != tag(gen) {
+                return false;
+            }
+            let next = (v & 0xffff_ffff) as usize;
+            if next >= self.chunks[phase].load(Ordering::Acquire) {
+                return true;
+            }
+            if self.claim[phase].compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                continue;
+            }
+            // SAFETY: see `Shared`: this claimed chunk keeps the job in place until counted.
+            let job = unsafe { &*self.job.get() };
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_chunk(job, phase, next)));
+            if run.is_err() {
+                // The join would wait for this chunk forever and the layer's result is incomplete.
+                eprintln!("strata: a cold-expert chunk failed; aborting");
+                std::process::abort();
+            }
+            self.finished[phase].fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// Whether every chunk of `phase` of job `gen` is finished (true too when the job is gone).
+    fn phase_done(&self, gen: u64, phase: usize) -> bool {
+        self.claim[phase].load(Ordering::Acquire) >> 32 != tag(gen)
+            || self.finished[phase].load(Ordering::Acquire) >= self.chunks[phase].load(Ordering::Acquire)
+    }
+
+    /// Takes part in job `gen` until it is complete.
+    fn complete(&self, gen: u64) {
+        self.work(gen, 0);
+        wait_until(|| self.phase_done(gen, 0));
+        self.work(gen, 1);
+        wait_until(|| self.phase_done(gen, 1));
+    }
+}
+
+fn run_chunk(job: &Job, phase: usize, i: usize) {
+    // SAFETY: launch stored a LayerTiers that the registry keeps alive while graphs run.
+    let lt = unsafe { &*(job.lt as *const LayerTiers) };
+    let (r0, r1) = (i * job.chunk[phase], ((i + 1) * job.chunk[phase]).min(job.rows[phase]));
+    if phase == 0 {
+        let n_embd = lt.n_embd;
+        let x = |t: usize| &job.x[job.x_row[t] * n_embd..(job.x_row[t] + 1) * n_embd];
+        gate_up_rows(lt, x, &job.items, job.n_used, job.h_ptr as *mut f32, r0, r1);
+    } else {
+        down_rows(lt, job.h_ptr as *const f32, &job.sel, &job.uploaded, job.w.as_deref(), job.n_used, job.out_ptr as *mut f32, r0, r1);
+    }
+}
+
+fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
         let mut spins = 0u32;
@@ -118,24 +208,10 @@ fn worker(s: &Shared, i: usize) {
             }
         };
         seen = gen;
-        // SAFETY: see `Shared`: the job is stable until every worker has counted itself done.
-        let job = unsafe { &*s.job.get() };
-        // SAFETY: launch stored a LayerTiers that the registry keeps alive while graphs run.
-        let lt = unsafe { &*(job.lt as *const LayerTiers) };
-        let n_embd = lt.n_embd;
-        let x = |t: usize| &job.x[job.x_row[t] * n_embd..(job.x_row[t] + 1) * n_embd];
-        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            gate_up_rows(lt, x, &job.sel, job.n_used, &job.uploaded, job.h_ptr as *mut f32, i, s.n);
-            s.phase_a.fetch_add(1, Ordering::AcqRel);
-            wait_until(|| s.phase_a.load(Ordering::Acquire) == s.n);
-            down_rows(lt, job.h_ptr as *const f32, &job.sel, &job.uploaded, job.w.as_deref(), job.n_used, job.out_ptr as *mut f32, i, s.n);
-        }));
-        if run.is_err() {
-            // The join would wait for this worker forever and the layer's result is incomplete.
-            eprintln!("strata: a cold-expert worker failed; aborting");
-            std::process::abort();
+        if s.work(gen, 0) {
+            wait_until(|| s.phase_done(gen, 0));
+            s.work(gen, 1);
         }
-        s.done.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -156,23 +232,30 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
     let Some(pool) = POOL.get() else { return };
+    // SAFETY: the graph builder gave this op these sources.
+    unsafe { start(pool, lt, src(dst, 0), src(dst, 1), src(dst, 2), src_opt(dst, 3)) };
+    // SAFETY: dst is one f32.
+    unsafe { *((*dst).data as *mut f32) = 0.0 };
+}
+
+/// Hands a step's cold selections to the workers (see `launch` for the sources).
+fn start(pool: &Pool, lt: &LayerTiers, cur: &sys::ggml_tensor, sel: &sys::ggml_tensor, wt: &sys::ggml_tensor, upload_ids: Option<&sys::ggml_tensor>) {
     let s = &pool.shared;
-    // SAFETY: the graph builder gave this op these sources; sel is contiguous.
-    let (cur, sel, wt) = unsafe { (src(dst, 0), src(dst, 1), src(dst, 2)) };
     let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
-    // A graph stopped between a launch and its join leaves a job running: let it finish.
-    if s.generation.load(Ordering::Acquire) > 0 {
-        wait_until(|| s.done.load(Ordering::Acquire) == s.n);
+    // A graph stopped between a launch and its join leaves a job unfinished: finish it.
+    let prev = s.generation.load(Ordering::Acquire);
+    if prev > 0 {
+        s.complete(prev);
     }
-    // SAFETY: no job runs now, so no worker reads the job.
+    // SAFETY: no chunk of any job is claimed or running now, so nothing reads the job.
     let job = unsafe { &mut *s.job.get() };
     job.lt = lt as *const LayerTiers as usize;
     job.n_used = n_used;
     job.sel.clear();
     // SAFETY: sel holds n_used * n_tok contiguous ids.
     job.sel.extend_from_slice(unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) });
-    // SAFETY: the builder puts the upload op's ids, when there is one, after the weights.
-    job.uploaded = uploaded(lt, unsafe { src_opt(dst, 3) });
+    job.uploaded = uploaded(lt, upload_ids);
+    job.items = cold_items(lt, &job.sel, n_used, &job.uploaded);
     job.x.clear();
     job.x_row.clear();
     for t in 0..n_tok {
@@ -194,14 +277,31 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     }
     job.h_ptr = job.h.as_mut_ptr() as usize;
     job.out_ptr = job.out.as_mut_ptr() as usize;
+    job.rows = [job.items.len() * lt.n_ff, lt.n_embd];
+    // About four chunks per participant (the workers and the caller), none tiny.
+    let per = |rows: usize| rows.div_ceil(4 * (s.n + 1)).max(MIN_CHUNK_ROWS);
+    job.chunk = [per(job.rows[0]), per(job.rows[1])];
     tally(lt, &job.sel);
-    s.phase_a.store(0, Ordering::Relaxed);
-    s.done.store(0, Ordering::Relaxed);
-    s.generation.fetch_add(1, Ordering::Release);
+    let gen = prev + 1;
+    for p in 0..2 {
+        s.chunks[p].store(job.chunks(p), Ordering::Relaxed);
+        s.finished[p].store(0, Ordering::Relaxed);
+        s.claim[p].store(tag(gen) << 32, Ordering::Release);
+    }
+    s.generation.store(gen, Ordering::Release);
     let _guard = s.sleep.lock().unwrap_or_else(|e| e.into_inner());
     s.wake.notify_all();
-    // SAFETY: dst is one f32.
-    unsafe { *((*dst).data as *mut f32) = 0.0 };
+}
+
+/// Takes part in the current job until it is complete, then copies its output into `out`.
+fn finish(pool: &Pool, out: *mut f32) {
+    let s = &pool.shared;
+    s.complete(s.generation.load(Ordering::Acquire));
+    // SAFETY: the job is complete and only this thread starts the next; out holds job.out.len() floats.
+    unsafe {
+        let job = &*s.job.get();
+        std::ptr::copy_nonoverlapping(job.out.as_ptr(), out, job.out.len());
+    }
 }
 
 /// The join op. Source: the launch op's output. Writes op B's output (kernels.rs).
@@ -210,11 +310,42 @@ pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth:
         return;
     }
     let Some(pool) = POOL.get() else { return };
-    let s = &pool.shared;
-    wait_until(|| s.done.load(Ordering::Acquire) == s.n);
-    // SAFETY: every worker is done, so the job is stable; dst holds out.len() floats.
-    unsafe {
-        let job = &*s.job.get();
-        std::ptr::copy_nonoverlapping(job.out.as_ptr(), (*dst).data as *mut f32, job.out.len());
+    // SAFETY: dst has the shape the launch gave the job's output.
+    finish(pool, unsafe { (*dst).data as *mut f32 });
+}
+
+/// A step's cold selections in one call, as op B would write them: on the workers when there is
+/// a pool, else on the calling thread. Sources: cur, sel, the routing weights (as `launch`).
+/// The GPU backend runs it as a host op in stream order (patches/0002), so that the layer stays
+/// one device split; elsewhere it is an ordinary one-task CPU op.
+pub(crate) unsafe extern "C" fn step(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
     }
+    // SAFETY: as in launch.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op these sources; dst is contiguous f32 of op B's shape.
+    let (cur, sel, wt, out) = unsafe { (src(dst, 0), src(dst, 1), src(dst, 2), (*dst).data as *mut f32) };
+    if let Some(pool) = POOL.get().filter(|_| lt.cold_threads > 0) {
+        start(pool, lt, cur, sel, wt, None);
+        finish(pool, out);
+        return;
+    }
+    let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
+    // SAFETY: sel holds n_used * n_tok contiguous ids.
+    let ids = unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) };
+    tally(lt, ids);
+    let x = |t: usize| {
+        // SAFETY: cur row t holds n_embd floats.
+        unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) }
+    };
+    let mut h = vec![0.0f32; lt.n_ff * n_used * n_tok];
+    let items = cold_items(lt, ids, n_used, &[]);
+    gate_up_rows(lt, x, &items, n_used, h.as_mut_ptr(), 0, items.len() * lt.n_ff);
+    let w = weighted_output(n_tok).then(|| {
+        let mut w = Vec::new();
+        weights(wt, &mut w);
+        w
+    });
+    down_rows(lt, h.as_ptr(), ids, &[], w.as_deref(), n_used, out, 0, lt.n_embd);
 }
