@@ -159,6 +159,10 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         return None;
     }
     let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.cold_on_cpu(n_tok));
+    // The CPU ops read the routing weights only for the weighted (prompt) form; otherwise sel
+    // stands in as that source, which the scheduler then copies from the GPU once, not twice.
+    let weighted_cold = kernels::weighted_output(n_tok as usize);
+    let cpu_weights = if weighted_cold { args.weights } else { sel };
     let cold_srcs = || [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
 
     // --pcie-frac: a share of this decode step's cold selections goes to the staging slots.
@@ -173,7 +177,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let host_step = cold_cpu && lt.host_op && upload_ids.is_none();
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
     let ticket = (cold_cpu && !host_step && lt.cold_threads > 0).then(|| {
-        let mut srcs = vec![args.cur, sel, args.weights];
+        let mut srcs = vec![args.cur, sel, cpu_weights];
         srcs.extend(upload_ids);
         srcs.extend(cold_srcs());
         let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
@@ -215,13 +219,12 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         count();
     }
     // The cold selections on the CPU: per (token, slot) in decode, a weighted sum in prompts.
-    let weighted_cold = kernels::weighted_output(n_tok as usize);
     let cold_ne = if weighted_cold { [n_embd, n_tok, 1] } else { [n_embd, n_used, n_tok] };
     let cold_cpu_out = if !cold_cpu {
         None
     } else if host_step {
         // No cold weight among the sources: the op goes where its inputs are.
-        Some(g.custom(cold_ne, &mut [args.cur, sel, args.weights], Some(pool::step), 1, lt))
+        Some(g.custom(cold_ne, &mut [args.cur, sel, cpu_weights], Some(pool::step), 1, lt))
     } else if let Some(t) = ticket {
         Some(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt))
     } else {
@@ -229,7 +232,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         a_srcs.extend(upload_ids);
         a_srcs.extend(cold_srcs());
         let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
-        let mut b_srcs = vec![h, sel, args.weights];
+        let mut b_srcs = vec![h, sel, cpu_weights];
         b_srcs.extend(upload_ids);
         b_srcs.extend(lt.cold_tensors.down);
         Some(g.custom(cold_ne, &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))

@@ -272,7 +272,7 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
 }
 
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok], the upload op's ids when the step uploads, the cold down tensor.
+/// weights [1, n_used, n_tok] (read only for the weighted form), the upload op's ids when the step uploads, the cold down tensor.
 /// Writes [n_embd, n_used, n_tok] or, for prompt batches, [n_embd, n_tok] (see the module doc).
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.

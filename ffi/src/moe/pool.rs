@@ -221,7 +221,7 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
 }
 
 /// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok], the upload op's ids when the step uploads (`--pcie-frac`), then
+/// weights [1, n_used, n_tok] (read only for the weighted form), the upload op's ids when the step uploads (`--pcie-frac`), then
 /// the cold weight tensors (they place the op on the CPU).
 /// Writes one f32 (the join's dependency).
 pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
