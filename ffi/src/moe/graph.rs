@@ -194,8 +194,8 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         g.expand(d);
         Some(d)
     });
-    // SAFETY: both are [n_embd, n_used, n_tok] graph tensors; staging is zero where not uploaded.
     let down_hot = match (down_hot, down_staged) {
+        // SAFETY: both are [n_embd, n_used, n_tok] graph tensors; staging is zero where not uploaded.
         (Some(h), Some(s)) => Some(unsafe { sys::ggml_add(g.ctx, h, s) }),
         (h, s) => h.or(s),
     };

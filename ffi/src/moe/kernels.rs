@@ -147,8 +147,14 @@ pub(crate) fn uploaded(lt: &LayerTiers, ids_t: Option<&sys::ggml_tensor>) -> Vec
     }
 }
 
+/// Token t's input row, n_embd floats of cur [n_embd, 1, n_tok].
+pub(crate) fn token_row(cur: &sys::ggml_tensor, t: usize, n_embd: usize) -> &[f32] {
+    // SAFETY: cur is a live f32 tensor whose rows along dim 2 hold n_embd floats each.
+    unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, n_embd) }
+}
+
 /// The ids of a contiguous [n_used, n_tok] i32 tensor.
-unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
+pub(crate) unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
     // SAFETY: the caller passes a contiguous i32 tensor.
     unsafe { std::slice::from_raw_parts(sel.data as *const i32, (sel.ne[0] * sel.ne[1]) as usize) }
 }
@@ -258,10 +264,7 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
     if ith == 0 {
         tally(lt, ids);
     }
-    let x = |t: usize| {
-        // SAFETY: cur row t holds n_embd floats.
-        unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) }
-    };
+    let x = |t: usize| token_row(cur, t, lt.n_embd);
     // SAFETY: the builder puts the upload op's ids, when there is one, right after sel.
     let uploaded = uploaded(lt, unsafe { src_opt(dst, 2) });
     let n_used = sel.ne[0] as usize;

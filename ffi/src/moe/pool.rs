@@ -21,7 +21,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::kernels::{cold_items, down_rows, gate_up_rows, src_opt, tally, uploaded, weighted_output, weights};
+use super::kernels::{cold_items, down_rows, gate_up_rows, ids, src_opt, tally, token_row, uploaded, weighted_output, weights};
 use super::LayerTiers;
 use crate::sys;
 
@@ -252,8 +252,8 @@ fn start(pool: &Pool, lt: &LayerTiers, cur: &sys::ggml_tensor, sel: &sys::ggml_t
     job.lt = lt as *const LayerTiers as usize;
     job.n_used = n_used;
     job.sel.clear();
-    // SAFETY: sel holds n_used * n_tok contiguous ids.
-    job.sel.extend_from_slice(unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) });
+    // SAFETY: sel is the contiguous i32 [n_used, n_tok] the builder made.
+    job.sel.extend_from_slice(unsafe { ids(sel) });
     job.uploaded = uploaded(lt, upload_ids);
     job.items = cold_items(lt, &job.sel, n_used, &job.uploaded);
     job.x.clear();
@@ -261,8 +261,7 @@ fn start(pool: &Pool, lt: &LayerTiers, cur: &sys::ggml_tensor, sel: &sys::ggml_t
     for t in 0..n_tok {
         if job.sel[t * n_used..(t + 1) * n_used].iter().any(|&e| lt.cold_row(e).is_some()) {
             job.x_row.push(job.x.len() / lt.n_embd);
-            // SAFETY: cur row t holds n_embd floats.
-            job.x.extend_from_slice(unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) });
+            job.x.extend_from_slice(token_row(cur, t, lt.n_embd));
         } else {
             job.x_row.push(usize::MAX);
         }
@@ -332,13 +331,10 @@ pub(crate) unsafe extern "C" fn step(dst: *mut sys::ggml_tensor, ith: i32, _nth:
         return;
     }
     let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
-    // SAFETY: sel holds n_used * n_tok contiguous ids.
-    let ids = unsafe { std::slice::from_raw_parts(sel.data as *const i32, n_used * n_tok) };
+    // SAFETY: sel is the contiguous i32 [n_used, n_tok] the builder made.
+    let ids = unsafe { ids(sel) };
     tally(lt, ids);
-    let x = |t: usize| {
-        // SAFETY: cur row t holds n_embd floats.
-        unsafe { std::slice::from_raw_parts(cur.data.cast::<u8>().add(t * cur.nb[2]) as *const f32, lt.n_embd) }
-    };
+    let x = |t: usize| token_row(cur, t, lt.n_embd);
     let mut h = vec![0.0f32; lt.n_ff * n_used * n_tok];
     let items = cold_items(lt, ids, n_used, &[]);
     gate_up_rows(lt, x, &items, n_used, h.as_mut_ptr(), 0, items.len() * lt.n_ff);
