@@ -67,17 +67,34 @@ static void set_err(char ** err, const std::string & msg) {
     }
 }
 
+// The class of the last exception guarded() caught on this thread (strata_last_error_kind).
+static thread_local int g_error_kind = STRATA_ERROR_OTHER;
+
 // Runs f, turning any C++ exception into *err and the fallback value.
 template <typename T, typename F>
 static T guarded(char ** err, T fallback, F && f) {
+    g_error_kind = STRATA_ERROR_OTHER;
     try {
         return f();
+    } catch (const std::invalid_argument & e) {
+        g_error_kind = STRATA_ERROR_INVALID_ARGUMENT;
+        set_err(err, e.what());
+    } catch (const common_json_error & e) {
+        g_error_kind = STRATA_ERROR_JSON;
+        set_err(err, e.what());
+    } catch (const nlohmann::ordered_json::exception & e) {
+        g_error_kind = STRATA_ERROR_JSON;
+        set_err(err, e.what());
     } catch (const std::exception & e) {
         set_err(err, e.what());
     } catch (...) {
         set_err(err, "unknown C++ exception");
     }
     return fallback;
+}
+
+int strata_last_error_kind(void) {
+    return g_error_kind;
 }
 
 void strata_string_free(char * s) {
@@ -88,21 +105,44 @@ void strata_stdio_flush(void) {
     std::fflush(nullptr);
 }
 
-void strata_common_init(void) {
-    common_init();
+bool strata_common_init(char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_init();
+        return true;
+    });
 }
 
+// A log line that cannot be written is dropped: logging must never fail a request.
 void strata_log_info(const char * text) {
-    LOG_INF("%s", text);
+    try {
+        LOG_INF("%s", text);
+    } catch (...) {
+    }
 }
 
 void strata_log(int level, const char * text) {
-    switch (level) {
-        case 1:  LOG_ERR("%s", text); break;
-        case 2:  LOG_WRN("%s", text); break;
-        case 4:  LOG_TRC("%s", text); break;
-        case 5:  LOG_DBG("%s", text); break;
-        default: LOG_INF("%s", text); break;
+    try {
+        switch (level) {
+            case 1:  LOG_ERR("%s", text); break;
+            case 2:  LOG_WRN("%s", text); break;
+            case 4:  LOG_TRC("%s", text); break;
+            case 5:  LOG_DBG("%s", text); break;
+            default: LOG_INF("%s", text); break;
+        }
+    } catch (...) {
+    }
+}
+
+// ---- JSON -----------------------------------------------------------------------------------
+
+char * strata_json_parse_error(const char * data, size_t len) {
+    try {
+        (void) common_json::parse(std::string(data, len));
+        return nullptr;
+    } catch (const std::exception & e) {
+        return dup_string(e.what());
+    } catch (...) {
+        return dup_string("unknown JSON error");
     }
 }
 
@@ -110,14 +150,20 @@ void strata_log(int level, const char * text) {
 
 strata_params * strata_params_parse(int argc, char ** argv, strata_usage_fn usage) {
     auto * p = new strata_params;
-    if (!common_params_parse(argc, argv, p->params, LLAMA_EXAMPLE_SERVER, usage)) {
-        delete p;
-        return nullptr;
+    try {
+        if (common_params_parse(argc, argv, p->params, LLAMA_EXAMPLE_SERVER, usage)) {
+            return p;
+        }
+    } catch (const std::exception & e) {
+        fprintf(stderr, "error: %s\n", e.what());
+    } catch (...) {
+        fprintf(stderr, "error: unknown C++ exception while parsing arguments\n");
     }
-    return p;
+    delete p;
+    return nullptr;
 }
 
-void strata_params_server_defaults(strata_params * p) {
+static void params_server_defaults(strata_params * p) {
     common_params & params = p->params;
     if (params.embedding && params.n_batch > params.n_ubatch) {
         LOG_WRN("embeddings enabled with n_batch (%d) > n_ubatch (%d)\n", params.n_batch, params.n_ubatch);
@@ -149,6 +195,13 @@ void strata_params_server_defaults(strata_params * p) {
         params.n_outputs_max         = std::max<int32_t>(1, limits.total);
         params.n_outputs_max_per_seq = std::max<int32_t>(1, limits.per_seq);
     }
+}
+
+bool strata_params_server_defaults(strata_params * p, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        params_server_defaults(p);
+        return true;
+    });
 }
 
 void strata_params_free(strata_params * p) {
@@ -188,7 +241,7 @@ static json sampling_json(const common_params_sampling & s) {
     };
 }
 
-char * strata_params_json(const strata_params * p) {
+static char * params_json(const strata_params * p) {
     const common_params & c = p->params;
     json j = {
         {"model", c.model.path},
@@ -258,6 +311,11 @@ char * strata_params_json(const strata_params * p) {
     };
     // agent features: built-in tools, MCP servers, the Web UI's CORS proxy
     j["ui_mcp_proxy"] = c.ui_mcp_proxy;
+    j["prefill_assistant"] = c.prefill_assistant;
+    j["force_pure_content"] = c.force_pure_content_parser;
+    j["default_template_kwargs"] = c.default_template_kwargs;
+    j["reasoning_budget"] = c.sampling.reasoning_budget_tokens;
+    j["reasoning_budget_message"] = c.sampling.reasoning_budget_message;
     j["server_tools"] = c.server_tools;
     j["server_tools_runtime"] = c.server_tools_runtime;
     j["mcp_servers_config"] = c.mcp_servers_config;
@@ -274,17 +332,24 @@ char * strata_params_json(const strata_params * p) {
     return dup_string(j.dump());
 }
 
-struct llama_model_params strata_params_model(strata_params * p) {
-    return common_model_params_to_llama(p->params);
+char * strata_params_json(const strata_params * p, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() { return params_json(p); });
 }
 
-struct llama_context_params strata_params_context(const strata_params * p) {
-    return common_context_params_to_llama(p->params);
+struct llama_model_params strata_params_model(strata_params * p, char ** err) {
+    return guarded<llama_model_params>(err, llama_model_default_params(), [&]() { return common_model_params_to_llama(p->params); });
 }
 
-void strata_backend_init(const strata_params * p) {
-    llama_backend_init();
-    llama_numa_init(p->params.numa);
+struct llama_context_params strata_params_context(const strata_params * p, char ** err) {
+    return guarded<llama_context_params>(err, llama_context_default_params(), [&]() { return common_context_params_to_llama(p->params); });
+}
+
+bool strata_backend_init(const strata_params * p, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        llama_backend_init();
+        llama_numa_init(p->params.numa);
+        return true;
+    });
 }
 
 // ---- chat templates -------------------------------------------------------------------------
@@ -323,6 +388,7 @@ static common_chat_templates_inputs inputs_from_json(const json & j) {
     in.json_schema           = j.value("json_schema", std::string());
     in.grammar               = j.value("grammar", std::string());
     in.add_bos               = j.value("add_bos", false);
+    in.force_pure_content    = j.value("force_pure_content", false);
     in.add_eos               = j.value("add_eos", false);
     in.reasoning_format      = common_reasoning_format_from_name(j.value("reasoning_format", std::string("none")));
     if (j.contains("chat_template_kwargs")) {
@@ -368,8 +434,56 @@ char * strata_chat_templates_apply(const strata_chat_templates * t, const char *
     });
 }
 
-char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant) {
-    return dup_string(common_chat_templates_source(t->tmpls.get(), variant ? variant : ""));
+char * strata_chat_parse_inputs(const char * inputs_json, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        const json j = json::parse(inputs_json);
+        const auto msgs  = common_chat_msgs_parse_oaicompat(common_json::parse(j.at("messages").dump()));
+        const auto tools = common_chat_tools_parse_oaicompat(common_json::parse(j.at("tools").dump()));
+        const auto choice = common_chat_tool_choice_parse_oaicompat(j.at("tool_choice").get<std::string>());
+        json roles = json::array();
+        for (const auto & m : msgs) {
+            roles.push_back(m.role);
+        }
+        const json out = {
+            {"roles", roles},
+            {"last_has_tool_calls", !msgs.empty() && !msgs.back().tool_calls.empty()},
+            {"n_tools", tools.size()},
+            {"tool_choice_none", choice == COMMON_CHAT_TOOL_CHOICE_NONE},
+        };
+        return dup_string(out.dump());
+    });
+}
+
+char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        return dup_string(common_chat_templates_source(t->tmpls.get(), variant ? variant : ""));
+    });
+}
+
+char * strata_chat_templates_caps(const strata_chat_templates * t, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        json caps = json::object();
+        for (const auto & [k, v] : common_chat_templates_get_caps(t->tmpls.get())) {
+            caps[k] = v;
+        }
+        return dup_string(caps.dump());
+    });
+}
+
+bool strata_chat_templates_support_thinking(const strata_chat_templates * t) {
+    try {
+        return common_chat_templates_support_enable_thinking(t->tmpls.get());
+    } catch (...) {
+        return false;
+    }
+}
+
+bool strata_chat_parser_check(const char * parser, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_chat_parser_params pp;
+        pp.parser.load(parser);
+        return true;
+    });
 }
 
 char * strata_chat_parse(const char * text, bool is_partial, const char * parser_json, char ** err) {
@@ -441,7 +555,11 @@ char * strata_chat_msg_diffs(const char * prev_msg_json, const char * new_msg_js
 }
 
 bool strata_validate_filename(const char * filename) {
-    return fs_validate_filename(filename);
+    try {
+        return fs_validate_filename(filename);
+    } catch (...) {
+        return false;
+    }
 }
 
 const char * strata_build_info(void) {
@@ -465,6 +583,7 @@ static void take(const json & j, const char * key, T & field) {
     }
 }
 
+// The values arrive validated and normalized by the server's request schema.
 static void apply_sampling_overrides(common_params_sampling & s, const json & j) {
     take(j, "seed", s.seed);
     take(j, "n_probs", s.n_probs);
@@ -486,6 +605,8 @@ static void apply_sampling_overrides(common_params_sampling & s, const json & j)
     take(j, "dry_base", s.dry_base);
     take(j, "dry_allowed_length", s.dry_allowed_length);
     take(j, "dry_penalty_last_n", s.dry_penalty_last_n);
+    take(j, "adaptive_target", s.adaptive_target);
+    take(j, "adaptive_decay", s.adaptive_decay);
     take(j, "mirostat", s.mirostat);
     take(j, "mirostat_tau", s.mirostat_tau);
     take(j, "mirostat_eta", s.mirostat_eta);
@@ -493,6 +614,18 @@ static void apply_sampling_overrides(common_params_sampling & s, const json & j)
     take(j, "ignore_eos", s.ignore_eos);
     take(j, "grammar_lazy", s.grammar_lazy);
     take(j, "generation_prompt", s.generation_prompt);
+    take(j, "backend_sampling", s.backend_sampling);
+    take(j, "dry_sequence_breakers", s.dry_sequence_breakers);
+    take(j, "reasoning_budget_tokens", s.reasoning_budget_tokens);
+    take(j, "reasoning_budget_start", s.reasoning_budget_start);
+    take(j, "reasoning_budget_end", s.reasoning_budget_end);
+    take(j, "reasoning_budget_forced", s.reasoning_budget_forced);
+    take(j, "reasoning_control", s.reasoning_control);
+    if (j.contains("samplers")) {
+        const json & v = j.at("samplers");
+        s.samplers = v.is_string() ? common_sampler_types_from_chars(v.get<std::string>())
+                                   : common_sampler_types_from_names(v.get<std::vector<std::string>>());
+    }
     if (j.contains("grammar") && j.at("grammar").is_string() && !j.at("grammar").get<std::string>().empty()) {
         const int type = j.value("grammar_type", static_cast<int>(COMMON_GRAMMAR_TYPE_USER));
         s.grammar = common_grammar(static_cast<common_grammar_type>(type), j.at("grammar").get<std::string>());
@@ -522,13 +655,81 @@ static void apply_sampling_overrides(common_params_sampling & s, const json & j)
     }
 }
 
+static common_params_sampling sampling_params(const strata_params * p, const char * overrides_json) {
+    common_params_sampling s = p ? p->params.sampling : common_params_sampling();
+    if (overrides_json && *overrides_json) {
+        apply_sampling_overrides(s, json::parse(overrides_json));
+    }
+    return s;
+}
+
+char * strata_sampling_json(const strata_params * p, const char * overrides_json, int32_t chat_format, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        const common_params_sampling s = sampling_params(p, overrides_json);
+        std::vector<std::string> samplers;
+        for (const auto & t : s.samplers) {
+            samplers.push_back(common_sampler_type_to_str(t));
+        }
+        json logit_bias = json::array();
+        for (const auto & lb : s.logit_bias) {
+            logit_bias.push_back({{"bias", lb.bias}, {"token", lb.token}});
+        }
+        json triggers = json::array();
+        for (const auto & t : s.grammar_triggers) {
+            json tj = {{"type", (int) t.type}, {"value", t.value}};
+            if (t.type == COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN) {
+                tj["token"] = (int) t.token;
+            }
+            triggers.push_back(tj);
+        }
+        const auto spec_types = p ? p->params.speculative.types : std::vector<common_speculative_type>{};
+        const json out = {
+            {"seed", s.seed},
+            {"temperature", s.temp},
+            {"dynatemp_range", s.dynatemp_range},
+            {"dynatemp_exponent", s.dynatemp_exponent},
+            {"top_k", s.top_k},
+            {"top_p", s.top_p},
+            {"min_p", s.min_p},
+            {"top_n_sigma", s.top_n_sigma},
+            {"xtc_probability", s.xtc_probability},
+            {"xtc_threshold", s.xtc_threshold},
+            {"typical_p", s.typ_p},
+            {"repeat_last_n", s.penalty_last_n},
+            {"repeat_penalty", s.penalty_repeat},
+            {"presence_penalty", s.penalty_present},
+            {"frequency_penalty", s.penalty_freq},
+            {"dry_multiplier", s.dry_multiplier},
+            {"dry_base", s.dry_base},
+            {"dry_allowed_length", s.dry_allowed_length},
+            {"dry_penalty_last_n", s.dry_penalty_last_n},
+            {"dry_sequence_breakers", s.dry_sequence_breakers},
+            {"mirostat", s.mirostat},
+            {"mirostat_tau", s.mirostat_tau},
+            {"mirostat_eta", s.mirostat_eta},
+            {"adaptive_target", s.adaptive_target},
+            {"adaptive_decay", s.adaptive_decay},
+            {"ignore_eos", s.ignore_eos},
+            {"logit_bias", logit_bias},
+            {"n_probs", s.n_probs},
+            {"min_keep", s.min_keep},
+            {"grammar", common_grammar_value(s.grammar)},
+            {"grammar_lazy", s.grammar_lazy},
+            {"grammar_triggers", triggers},
+            {"preserved_tokens", s.preserved_tokens},
+            {"chat_format", common_chat_format_name(static_cast<common_chat_format>(chat_format))},
+            {"samplers", samplers},
+            {"speculative.types", common_speculative_type_name_str(spec_types)},
+            {"backend_sampling", s.backend_sampling},
+        };
+        return dup_string(out.dump());
+    });
+}
+
 strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err) {
     return guarded<strata_sampler *>(err, nullptr, [&]() -> strata_sampler * {
         auto * s = new strata_sampler;
-        s->params = p ? p->params.sampling : common_params_sampling();
-        if (overrides_json && *overrides_json) {
-            apply_sampling_overrides(s->params, json::parse(overrides_json));
-        }
+        s->params = sampling_params(p, overrides_json);
         s->smpl = common_sampler_init(model, s->params);
         if (!s->smpl) {
             delete s;
@@ -546,49 +747,67 @@ void strata_sampler_free(strata_sampler * s) {
     }
 }
 
-llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx) {
-    return common_sampler_sample(s->smpl, ctx, idx);
+llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx, char ** err) {
+    return guarded<llama_token>(err, LLAMA_TOKEN_NULL, [&]() { return common_sampler_sample(s->smpl, ctx, idx); });
 }
 
 int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
-                                           const llama_token * draft, int32_t n_draft, llama_token * out) {
-    const std::vector<int> i(idxs, idxs + n_draft + 1);
-    const llama_tokens d(draft, draft + n_draft);
-    const auto accepted = common_sampler_sample_and_accept_n(s->smpl, ctx, i, d);
-    const int32_t n = std::min<int32_t>(n_draft + 1, static_cast<int32_t>(accepted.size()));
-    std::memcpy(out, accepted.data(), sizeof(llama_token) * n);
-    return n;
+                                           const llama_token * draft, int32_t n_draft, llama_token * out, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() {
+        const std::vector<int> i(idxs, idxs + n_draft + 1);
+        const llama_tokens d(draft, draft + n_draft);
+        const auto accepted = common_sampler_sample_and_accept_n(s->smpl, ctx, i, d);
+        const int32_t n = std::min<int32_t>(n_draft + 1, static_cast<int32_t>(accepted.size()));
+        std::memcpy(out, accepted.data(), sizeof(llama_token) * n);
+        return n;
+    });
 }
 
-void strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar) {
-    common_sampler_accept(s->smpl, token, accept_grammar);
+bool strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_sampler_accept(s->smpl, token, accept_grammar);
+        return true;
+    });
 }
 
-void strata_sampler_reset(strata_sampler * s) {
-    common_sampler_reset(s->smpl);
+bool strata_sampler_reset(strata_sampler * s, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_sampler_reset(s->smpl);
+        return true;
+    });
 }
 
 int32_t strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
-                                  llama_token * ids, float * probs, int32_t n_max) {
-    const llama_token_data_array * cur = common_sampler_get_candidates(s->smpl, true);
-    *token_prob = 0.0f;
-    int32_t written = 0;
-    for (size_t i = 0; i < cur->size; i++) {
-        if (cur->data[i].id == token) {
-            *token_prob = cur->data[i].p;
+                                  llama_token * ids, float * probs, int32_t n_max, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() {
+        const llama_token_data_array * cur = common_sampler_get_candidates(s->smpl, true);
+        *token_prob = 0.0f;
+        int32_t written = 0;
+        for (size_t i = 0; i < cur->size; i++) {
+            if (cur->data[i].id == token) {
+                *token_prob = cur->data[i].p;
+            }
+            // Samplers differ in whether they keep zero-probability candidates; drop them all.
+            if (written < n_max && cur->data[i].p > 0.0f) {
+                ids[written]   = cur->data[i].id;
+                probs[written] = cur->data[i].p;
+                written++;
+            }
         }
-        // Samplers differ in whether they keep zero-probability candidates; drop them all.
-        if (written < n_max && cur->data[i].p > 0.0f) {
-            ids[written]   = cur->data[i].id;
-            probs[written] = cur->data[i].p;
-            written++;
-        }
-    }
-    return written;
+        return written;
+    });
+}
+
+bool strata_sampler_reasoning_end(strata_sampler * s, char ** err) {
+    return guarded<bool>(err, false, [&]() { return common_sampler_reasoning_budget_force(s->smpl); });
 }
 
 uint32_t strata_sampler_seed(const strata_sampler * s) {
-    return common_sampler_get_seed(s->smpl);
+    try {
+        return common_sampler_get_seed(s->smpl);
+    } catch (...) {
+        return s->params.seed;
+    }
 }
 
 // ---- speculative decoding -------------------------------------------------------------------
@@ -635,12 +854,15 @@ void strata_speculative_free(strata_speculative * s) {
     }
 }
 
-void strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt) {
-    s->prompt.assign(prompt, prompt + n_prompt);
-    common_speculative_begin(s->spec, seq, s->prompt);
+bool strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        s->prompt.assign(prompt, prompt + n_prompt);
+        common_speculative_begin(s->spec, seq, s->prompt);
+        return true;
+    });
 }
 
-int32_t strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
+static int32_t speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
                                  llama_token last, llama_token * out, int32_t n_max) {
     s->prompt.assign(prompt, prompt + n_prompt);
     s->result.clear();
@@ -657,14 +879,25 @@ int32_t strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const
     return n;
 }
 
+int32_t strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
+                                 llama_token last, llama_token * out, int32_t n_max, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() { return speculative_draft(s, seq, prompt, n_prompt, last, out, n_max); });
+}
+
 bool strata_speculative_process(strata_speculative * s, struct llama_context * ctx_tgt, int32_t n_tokens,
                                 const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq,
-                                const int8_t * output) {
-    common_batch batch(ctx_tgt);
-    for (int32_t i = 0; i < n_tokens; ++i) {
-        batch.add(tokens[i], pos[i], seq[i], output[i] != 0);
-    }
-    return common_speculative_process(s->spec, batch);
+                                const int8_t * output, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_batch batch(ctx_tgt);
+        for (int32_t i = 0; i < n_tokens; ++i) {
+            batch.add(tokens[i], pos[i], seq[i], output[i] != 0);
+        }
+        if (!common_speculative_process(s->spec, batch)) {
+            set_err(err, "failed to process speculative batch");
+            return false;
+        }
+        return true;
+    });
 }
 
 static llama_context * draft_context(const strata_speculative * s) {
@@ -675,31 +908,44 @@ bool strata_speculative_has_context(const strata_speculative * s) {
     return draft_context(s) != nullptr;
 }
 
-void strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1) {
-    if (llama_context * ctx = draft_context(s)) {
-        llama_memory_seq_rm(llama_get_memory(ctx), seq, p0, p1);
-    }
+bool strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        if (llama_context * ctx = draft_context(s)) {
+            llama_memory_seq_rm(llama_get_memory(ctx), seq, p0, p1);
+        }
+        return true;
+    });
 }
 
-void strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta) {
-    if (llama_context * ctx = draft_context(s)) {
-        llama_memory_seq_add(llama_get_memory(ctx), seq, p0, p1, delta);
-    }
+bool strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        if (llama_context * ctx = draft_context(s)) {
+            llama_memory_seq_add(llama_get_memory(ctx), seq, p0, p1, delta);
+        }
+        return true;
+    });
 }
 
 bool strata_speculative_has_synth(const strata_speculative * s) {
-    return !common_speculative_get_synth_probs(s->spec).empty();
+    try {
+        return !common_speculative_get_synth_probs(s->spec).empty();
+    } catch (...) {
+        return false;
+    }
 }
 
-void strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl) {
-    const uint32_t seed = smpl->params.seed == LLAMA_DEFAULT_SEED ? std::random_device{}() : smpl->params.seed;
-    s->synth_rng.at(seq).seed(seed);
+bool strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        const uint32_t seed = smpl->params.seed == LLAMA_DEFAULT_SEED ? std::random_device{}() : smpl->params.seed;
+        s->synth_rng.at(seq).seed(seed);
+        return true;
+    });
 }
 
 // Synthetic acceptance (llama-server's server_sample_and_accept_synth): draft token i is taken
 // with probability synth_probs[i] regardless of the model, for measuring speed at a set
 // acceptance rate; a drafted end-of-generation token is never taken.
-int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
+static int32_t speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
                                         struct llama_context * ctx, const int32_t * idxs,
                                         const llama_token * draft, int32_t n_draft, llama_token * out) {
     const auto & probs = common_speculative_get_synth_probs(s->spec);
@@ -725,19 +971,32 @@ int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq
     return n;
 }
 
-int32_t strata_speculative_n_max(const strata_speculative * s) {
-    return common_speculative_n_max(s->spec);
+int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
+                                        struct llama_context * ctx, const int32_t * idxs,
+                                        const llama_token * draft, int32_t n_draft, llama_token * out, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() { return speculative_accept_synth(s, seq, smpl, ctx, idxs, draft, n_draft, out); });
 }
 
-void strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted) {
-    common_speculative_accept(s->spec, seq, n_accepted);
+int32_t strata_speculative_n_max(const strata_speculative * s) {
+    try {
+        return common_speculative_n_max(s->spec);
+    } catch (...) {
+        return 0;
+    }
+}
+
+bool strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        common_speculative_accept(s->spec, seq, n_accepted);
+        return true;
+    });
 }
 
 struct strata_bytes {
     std::vector<uint8_t> data;
 };
 
-strata_bytes * strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter) {
+static strata_bytes * speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter) {
     auto * b = new strata_bytes;
     const llama_state_seq_flags flags = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY;
     uint64_t n_dft = 0;
@@ -764,7 +1023,7 @@ strata_bytes * strata_speculative_checkpoint(strata_speculative * s, llama_seq_i
     return b;
 }
 
-bool strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n) {
+static bool speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n) {
     uint64_t n_dft = 0;
     const size_t head = sizeof(n_dft) + 1;
     if (n < head) {
@@ -789,6 +1048,26 @@ bool strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const 
     return true;
 }
 
+strata_bytes * strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter, char ** err) {
+    return guarded<strata_bytes *>(err, nullptr, [&]() {
+        strata_bytes * b = speculative_checkpoint(s, seq, with_drafter);
+        if (!b) {
+            set_err(err, "failed to read the draft context's state");
+        }
+        return b;
+    });
+}
+
+bool strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        if (!speculative_restore(s, seq, data, n)) {
+            set_err(err, "failed to restore the drafter's state");
+            return false;
+        }
+        return true;
+    });
+}
+
 const uint8_t * strata_bytes_data(const strata_bytes * b) {
     return b->data.data();
 }
@@ -803,13 +1082,38 @@ void strata_bytes_free(strata_bytes * b) {
 
 // ---- context memory -------------------------------------------------------------------------
 
-int32_t strata_speculative_seq_rm_type(strata_speculative * s) {
-    llama_context * ctx = draft_context(s);
-    return ctx ? static_cast<int32_t>(common_context_can_seq_rm(ctx)) : 1;
+int32_t strata_speculative_seq_rm_type(strata_speculative * s, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() {
+        llama_context * ctx = draft_context(s);
+        return ctx ? static_cast<int32_t>(common_context_can_seq_rm(ctx)) : 1;
+    });
 }
 
-int32_t strata_context_seq_rm_type(struct llama_context * ctx) {
-    return static_cast<int32_t>(common_context_can_seq_rm(ctx));
+int32_t strata_context_seq_rm_type(struct llama_context * ctx, char ** err) {
+    return guarded<int32_t>(err, -1, [&]() { return static_cast<int32_t>(common_context_can_seq_rm(ctx)); });
+}
+
+// ---- vocabulary -----------------------------------------------------------------------------
+
+// llama.h's tokenizer calls throw for ids outside the vocabulary (std::vector::at).
+
+int32_t strata_tokenize(const struct llama_vocab * vocab, const char * text, int32_t len, llama_token * out,
+                        int32_t n_max, bool add_special, bool parse_special, char ** err) {
+    return guarded<int32_t>(err, INT32_MIN, [&]() {
+        return llama_tokenize(vocab, text, len, out, n_max, add_special, parse_special);
+    });
+}
+
+int32_t strata_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf, int32_t len,
+                              int32_t lstrip, bool special, char ** err) {
+    return guarded<int32_t>(err, INT32_MIN, [&]() { return llama_token_to_piece(vocab, token, buf, len, lstrip, special); });
+}
+
+int32_t strata_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens, char * text,
+                          int32_t len, bool remove_special, bool unparse_special, char ** err) {
+    return guarded<int32_t>(err, INT32_MIN, [&]() {
+        return llama_detokenize(vocab, tokens, n_tokens, text, len, remove_special, unparse_special);
+    });
 }
 
 // ---- router mode ----------------------------------------------------------------------------
@@ -1005,9 +1309,13 @@ static cpu_traits_fn find_cpu_traits() {
 }
 
 const struct ggml_type_traits_cpu * strata_cpu_type_traits(int type) {
-    static cpu_traits_fn fn = find_cpu_traits();
-    if (fn == nullptr || type < 0 || type >= GGML_TYPE_COUNT) {
+    try {
+        static cpu_traits_fn fn = find_cpu_traits();
+        if (fn == nullptr || type < 0 || type >= GGML_TYPE_COUNT) {
+            return nullptr;
+        }
+        return fn(static_cast<enum ggml_type>(type));
+    } catch (...) {
         return nullptr;
     }
-    return fn(static_cast<enum ggml_type>(type));
 }

@@ -3,7 +3,9 @@
 // extern "C" entry points over llama.cpp's C++ `common` library, so that Strata parses flags,
 // applies chat templates, samples and drafts exactly as the pinned llama-server does.
 // Strings returned as `char *` are malloc'd: free them with strata_string_free. Functions that
-// can fail take `char ** err` and, on failure, return NULL (or false) and set *err.
+// can fail take `char ** err` and, on failure, return NULL (or false, or the documented
+// sentinel) and set *err. No C++ exception leaves this interface: every entry point that calls
+// into llama.cpp catches them and reports them through err (or its failure value).
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -16,16 +18,27 @@ extern "C" {
 
 void strata_string_free(char * s);
 
+// What kind of C++ exception the last failed call on this thread caught: llama-server answers
+// std::invalid_argument and JSON errors with 400 and anything else with 500.
+#define STRATA_ERROR_OTHER            0
+#define STRATA_ERROR_INVALID_ARGUMENT 1
+#define STRATA_ERROR_JSON             2
+int strata_last_error_kind(void);
+
 // fflush(NULL): llama.cpp prints with C stdio, so Rust output that must follow it flushes first.
 void strata_stdio_flush(void);
 
 // common_init(): llama.cpp's logger, build info line.
-void strata_common_init(void);
+bool strata_common_init(char ** err);
 
 // One INFO line through llama.cpp's logger (its prefix, timestamps and verbosity filter).
 void strata_log_info(const char * text);
 // level: 1 error, 2 warning, 3 info, 4 trace, 5 debug (common/log.h's LOG_LEVEL_*)
 void strata_log(int level, const char * text);
+
+// NULL when `data` is valid JSON to llama.cpp's parser, else the parser's message, as
+// llama-server answers a malformed body with it.
+char * strata_json_parse_error(const char * data, size_t len);
 
 // ---- arguments ------------------------------------------------------------------------------
 
@@ -43,16 +56,16 @@ void            strata_params_free(strata_params * p);
 // The adjustments llama-server's main makes after parsing: n_batch for embeddings, -np auto
 // (4 slots, unified KV), the KV pool from --kv-unified-per-slot, the model name as alias, and
 // the outputs a step may ask for.
-void strata_params_server_defaults(strata_params * p);
+bool strata_params_server_defaults(strata_params * p, char ** err);
 
 // The fields the server reads, as a JSON object (see params_json in strata_shim.cpp).
-char * strata_params_json(const strata_params * p);
+char * strata_params_json(const strata_params * p, char ** err);
 
-struct llama_model_params   strata_params_model(strata_params * p);
-struct llama_context_params strata_params_context(const strata_params * p);
+struct llama_model_params   strata_params_model(strata_params * p, char ** err);
+struct llama_context_params strata_params_context(const strata_params * p, char ** err);
 
 // llama_backend_init() and llama_numa_init(params.numa), as llama-server's main does.
-void strata_backend_init(const strata_params * p);
+bool strata_backend_init(const strata_params * p, char ** err);
 
 // ---- chat templates -------------------------------------------------------------------------
 
@@ -71,8 +84,23 @@ void                    strata_chat_templates_free(strata_chat_templates * t);
 // "supports_thinking", "thinking_start_tag", "thinking_end_tags", "parser"}.
 char * strata_chat_templates_apply(const strata_chat_templates * t, const char * inputs_json, char ** err);
 
+// What llama-server's chat request parsing reads of the messages, tools and tool_choice before
+// applying the template, failing as it does (the same exceptions, in the same order):
+// inputs_json {"messages", "tools", "tool_choice": string}. Returns {"roles": [...],
+// "last_has_tool_calls": bool, "n_tools": n, "tool_choice_none": bool}.
+char * strata_chat_parse_inputs(const char * inputs_json, char ** err);
+
 // The template source text ("" when none); variant "" or "tool_use".
-char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant);
+char * strata_chat_templates_source(const strata_chat_templates * t, const char * variant, char ** err);
+
+// common_chat_templates_get_caps as a JSON object of booleans (llama-server's chat_template_caps).
+char * strata_chat_templates_caps(const strata_chat_templates * t, char ** err);
+
+// Whether the template reacts to enable_thinking (false when it cannot be rendered).
+bool strata_chat_templates_support_thinking(const strata_chat_templates * t);
+
+// Whether `parser` (a chat parser definition, as apply returns it) loads.
+bool strata_chat_parser_check(const char * parser, char ** err);
 
 // parser_json: {"format": int, "reasoning_format": "none", "reasoning_in_content": false,
 // "generation_prompt": "", "parse_tool_calls": true, "parser": "<from apply>"}.
@@ -100,22 +128,31 @@ typedef struct strata_sampler strata_sampler;
 // The server's sampling defaults from p, overridden by overrides_json whose keys are
 // common_params_sampling's field names (temp, top_k, top_p, min_p, seed, grammar, ...);
 // "logit_bias" is [[token, bias], ...] where a bias of false bans the token.
+// The sampling settings a task with these overrides runs with, under llama-server's names
+// (its task_params::to_json): seed, temperature, ..., samplers, "speculative.types",
+// backend_sampling; chat_format is named from its common_chat_format value.
+char * strata_sampling_json(const strata_params * p, const char * overrides_json, int32_t chat_format, char ** err);
+
 strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err);
 void             strata_sampler_free(strata_sampler * s);
-llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx);
+// LLAMA_TOKEN_NULL on failure (a grammar that rejects every candidate throws, for one).
+llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx, char ** err);
 // Verifies a draft: samples at idxs[0..=n_draft] and accepts while the samples match the draft.
 // Writes the accepted tokens plus the first sampled non-matching (or next) token to out
-// (room for n_draft + 1); returns how many.
+// (room for n_draft + 1); returns how many, -1 on failure.
 int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
-                                           const llama_token * draft, int32_t n_draft, llama_token * out);
-void             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar);
-void             strata_sampler_reset(strata_sampler * s);
+                                           const llama_token * draft, int32_t n_draft, llama_token * out, char ** err);
+bool             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar, char ** err);
+bool             strata_sampler_reset(strata_sampler * s, char ** err);
 uint32_t         strata_sampler_seed(const strata_sampler * s);
+// Ends the reasoning section now (the budget sampler forces its end tag), for a sampler made
+// with reasoning_control; false when there is nothing to end.
+bool             strata_sampler_reasoning_end(strata_sampler * s, char ** err);
 // The candidates left after the last sample (sorted, probabilities set): writes the first
 // n_max ids and probabilities and the probability of `token` (0 if it is not among them);
-// returns how many were written.
+// returns how many were written, -1 on failure.
 int32_t          strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
-                                           llama_token * ids, float * probs, int32_t n_max);
+                                           llama_token * ids, float * probs, int32_t n_max, char ** err);
 
 // ---- speculative decoding -------------------------------------------------------------------
 
@@ -126,37 +163,37 @@ typedef struct strata_speculative strata_speculative;
 // name no usable drafter.
 strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err);
 void                 strata_speculative_free(strata_speculative * s);
-void                 strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt);
-// Drafts up to n_max tokens after `last` for seq; writes them to out, returns the count.
+bool                 strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt, char ** err);
+// Drafts up to n_max tokens after `last` for seq; writes them to out, returns the count (-1 on failure).
 int32_t              strata_speculative_draft(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt,
-                                              llama_token last, llama_token * out, int32_t n_max);
+                                              llama_token last, llama_token * out, int32_t n_max, char ** err);
 // Feeds a target batch (token, position, first sequence id, output flag per entry) to the drafters
 // that keep their own context in step with the target (draft model, MTP); false on failure.
 bool strata_speculative_process(strata_speculative * s, struct llama_context * ctx_tgt, int32_t n_tokens,
                                 const llama_token * tokens, const llama_pos * pos, const llama_seq_id * seq,
-                                const int8_t * output);
+                                const int8_t * output, char ** err);
 // Whether a drafter has its own context (draft model, MTP head); seq_rm/seq_add keep its
 // sequences in step with the target's (no-ops without one).
 bool strata_speculative_has_context(const strata_speculative * s);
-void strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1);
-void strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta);
+bool strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, char ** err);
+bool strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta, char ** err);
 // --spec-synth-*: acceptance decided by set rates instead of the model (benchmarking).
 bool strata_speculative_has_synth(const strata_speculative * s);
 // Seeds sequence seq's acceptance RNG from the sampler's requested seed (random if default).
-void strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl);
+bool strata_speculative_synth_seed(strata_speculative * s, llama_seq_id seq, const strata_sampler * smpl, char ** err);
 // As strata_sampler_sample_and_accept_n, with synthetic acceptance.
 int32_t strata_speculative_accept_synth(strata_speculative * s, llama_seq_id seq, strata_sampler * smpl,
                                         struct llama_context * ctx, const int32_t * idxs,
-                                        const llama_token * draft, int32_t n_draft, llama_token * out);
+                                        const llama_token * draft, int32_t n_draft, llama_token * out, char ** err);
 // The most draft tokens any configured drafter proposes.
 int32_t strata_speculative_n_max(const strata_speculative * s);
-void                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted);
+bool                 strata_speculative_accept(strata_speculative * s, llama_seq_id seq, uint16_t n_accepted, char ** err);
 // A context checkpoint's share of the drafter: the part of the draft context's sequence that
 // cannot be cut back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and, with_drafter, the drafter's own
 // state, as one buffer; restore puts back what it holds. NULL/false on failure.
 typedef struct strata_bytes strata_bytes;
-strata_bytes *  strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter);
-bool            strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n);
+strata_bytes *  strata_speculative_checkpoint(strata_speculative * s, llama_seq_id seq, bool with_drafter, char ** err);
+bool            strata_speculative_restore(strata_speculative * s, llama_seq_id seq, const uint8_t * data, size_t n, char ** err);
 const uint8_t * strata_bytes_data(const strata_bytes * b);
 size_t          strata_bytes_size(const strata_bytes * b);
 void            strata_bytes_free(strata_bytes * b);
@@ -164,10 +201,21 @@ void            strata_bytes_free(strata_bytes * b);
 // ---- context memory -------------------------------------------------------------------------
 
 // common_context_can_seq_rm: 0 no sequence removal, 1 partial, 2 whole sequences only,
-// 3 partial within llama_n_rs_seq positions. Clears the context's memory.
-int32_t strata_context_seq_rm_type(struct llama_context * ctx);
+// 3 partial within llama_n_rs_seq positions. Clears the context's memory. -1 on failure.
+int32_t strata_context_seq_rm_type(struct llama_context * ctx, char ** err);
 // The same for the draft context (1 without one). Clears the draft context's memory.
-int32_t strata_speculative_seq_rm_type(strata_speculative * s);
+int32_t strata_speculative_seq_rm_type(strata_speculative * s, char ** err);
+
+// ---- vocabulary -----------------------------------------------------------------------------
+
+// llama_tokenize, llama_token_to_piece and llama_detokenize with their exceptions caught (a
+// token id outside the vocabulary throws): INT32_MIN and *err on failure, else their results.
+int32_t strata_tokenize(const struct llama_vocab * vocab, const char * text, int32_t len, llama_token * out,
+                        int32_t n_max, bool add_special, bool parse_special, char ** err);
+int32_t strata_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf, int32_t len,
+                              int32_t lstrip, bool special, char ** err);
+int32_t strata_detokenize(const struct llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens, char * text,
+                          int32_t len, bool remove_special, bool unparse_special, char ** err);
 
 // ---- router mode ----------------------------------------------------------------------------
 

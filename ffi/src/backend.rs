@@ -1,7 +1,9 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Once, OnceLock};
 
+use crate::error::Result;
 use crate::params::ServerParams;
+use crate::shim_string::call;
 use crate::sys;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -13,7 +15,7 @@ pub enum LogLevel {
     Cont,
 }
 
-static BACKEND: Once = Once::new();
+static BACKEND: OnceLock<Result<(), String>> = OnceLock::new();
 static LOADED: Once = Once::new();
 static LOG_SINK: OnceLock<fn(LogLevel, &str)> = OnceLock::new();
 
@@ -25,15 +27,23 @@ pub fn load_backends() {
     LOADED.call_once(|| unsafe { sys::ggml_backend_load_all() });
 }
 
-/// llama_backend_init (+ NUMA from the parsed flags), once per process.
-pub fn init_backend(params: Option<&ServerParams>) {
+/// llama_backend_init (+ NUMA from the parsed flags), once per process; a failure is kept and
+/// reported to every caller.
+pub fn init_backend(params: Option<&ServerParams>) -> Result<()> {
     load_backends();
-    BACKEND.call_once(|| match params {
-        // SAFETY: the params handle is valid for the duration of the call.
-        Some(p) => unsafe { sys::strata_backend_init(p.as_ptr()) },
-        // SAFETY: no preconditions.
-        None => unsafe { sys::llama_backend_init() },
+    let done = BACKEND.get_or_init(|| match params {
+        Some(p) => call(|err| {
+            // SAFETY: the params handle is valid for the duration of the call.
+            unsafe { sys::strata_backend_init(p.as_ptr(), err) }.then_some(())
+        })
+        .map_err(|e| e.to_string()),
+        None => {
+            // SAFETY: no preconditions.
+            unsafe { sys::llama_backend_init() };
+            Ok(())
+        }
     });
+    done.clone().map_err(crate::FfiError::Shim)
 }
 
 extern "C" fn log_trampoline(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
@@ -64,9 +74,11 @@ pub fn set_log_callback(sink: fn(LogLevel, &str)) {
 }
 
 /// llama.cpp's common_init(): its logger (format, colours, verbosity) and the build info line.
-pub fn common_init() {
-    // SAFETY: no preconditions; sets up process-wide logging state.
-    unsafe { sys::strata_common_init() }
+pub fn common_init() -> Result<()> {
+    call(|err| {
+        // SAFETY: no preconditions; sets up process-wide logging state.
+        unsafe { sys::strata_common_init(err) }.then_some(())
+    })
 }
 
 /// Flushes C stdio, so that Rust output lands after what llama.cpp printed.

@@ -40,10 +40,27 @@ impl ChatTemplates {
         Ok(serde_json::from_str(&out)?)
     }
 
+    /// Whether the template reacts to enable_thinking (llama-server turns thinking on only then).
+    pub fn supports_thinking(&self) -> bool {
+        // SAFETY: valid handle.
+        unsafe { sys::strata_chat_templates_support_thinking(self.ptr.as_ptr()) }
+    }
+
+    /// The template's capabilities (llama-server's chat_template_caps): name -> supported.
+    pub fn caps(&self) -> Result<Value> {
+        let s = call(|err| {
+            // SAFETY: valid handle; the result is owned by us.
+            take(unsafe { sys::strata_chat_templates_caps(self.ptr.as_ptr(), err) })
+        })?;
+        Ok(serde_json::from_str(&s)?)
+    }
+
     pub fn source(&self, variant: &str) -> Result<String> {
         let v = cstring(variant, "template variant")?;
-        // SAFETY: valid handle and C string; the result is owned by us.
-        Ok(take(unsafe { sys::strata_chat_templates_source(self.ptr.as_ptr(), v.as_ptr()) }).unwrap_or_default())
+        call(|err| {
+            // SAFETY: valid handle and C string; the result is owned by us.
+            take(unsafe { sys::strata_chat_templates_source(self.ptr.as_ptr(), v.as_ptr(), err) })
+        })
     }
 }
 
@@ -89,6 +106,32 @@ pub fn json_schema_to_grammar(schema: &Value) -> Result<String> {
         // SAFETY: valid C string; the result is owned by us.
         take(unsafe { sys::strata_json_schema_to_grammar(schema.as_ptr(), err) })
     })
+}
+
+/// The messages, tools and tool_choice of a chat request as llama.cpp parses them (see
+/// strata_chat_parse_inputs in the shim): its summary, or its exception.
+pub fn parse_chat_inputs(inputs: &Value) -> Result<Value> {
+    let c = cstring(&inputs.to_string(), "chat inputs")?;
+    let s = call(|err| {
+        // SAFETY: valid C string; the result is owned by us.
+        take(unsafe { sys::strata_chat_parse_inputs(c.as_ptr(), err) })
+    })?;
+    Ok(serde_json::from_str(&s)?)
+}
+
+/// Whether a chat parser definition (as a template's apply gives it) loads.
+pub fn check_chat_parser(parser: &str) -> Result<()> {
+    let p = cstring(parser, "chat parser")?;
+    call(|err| {
+        // SAFETY: valid C string for the call.
+        unsafe { sys::strata_chat_parser_check(p.as_ptr(), err) }.then_some(())
+    })
+}
+
+/// llama.cpp's message for a body its JSON parser refuses; None when it parses.
+pub fn json_parse_error(data: &[u8]) -> Option<String> {
+    // SAFETY: data is valid for its length; the result is owned by us.
+    take(unsafe { sys::strata_json_parse_error(data.as_ptr().cast(), data.len()) })
 }
 
 /// common's fs_validate_filename: a plain file name without separators or traversal.

@@ -199,11 +199,14 @@ impl<'m> Context<'m> {
 
     /// How this context's memory can cut a sequence back. Clears the memory (it decodes two
     /// tokens to find out), so ask before serving.
-    pub fn probe_seq_rm(&mut self) -> SeqRm {
+    pub fn probe_seq_rm(&mut self) -> Result<SeqRm> {
+        let kind = crate::shim_string::call(|err| {
+            // SAFETY: valid context.
+            let k = unsafe { sys::strata_context_seq_rm_type(self.ptr.as_ptr(), err) };
+            (k >= 0).then_some(k)
+        })?;
         // SAFETY: valid context.
-        let kind = unsafe { sys::strata_context_seq_rm_type(self.ptr.as_ptr()) };
-        // SAFETY: valid context.
-        SeqRm::from_kind(kind, unsafe { sys::llama_n_rs_seq(self.ptr.as_ptr()) } as usize)
+        Ok(SeqRm::from_kind(kind, unsafe { sys::llama_n_rs_seq(self.ptr.as_ptr()) } as usize))
     }
 
     /// Loads a saved sequence into `seq`: (bytes read, tokens), or None when the file is not a

@@ -12,6 +12,10 @@ pub enum FfiError {
     ContextInit,
     #[error("{0}")]
     Shim(String),
+    /// llama.cpp refused its input (a std::invalid_argument or a JSON error), which
+    /// llama-server answers with 400 where other exceptions get 500.
+    #[error("{0}")]
+    BadInput(String),
     #[error("{0} contains an interior NUL byte")]
     InteriorNul(&'static str),
     #[error("tokenization failed: {0}")]

@@ -25,14 +25,17 @@ mod speculative;
 
 pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, LogLevel, Verbosity};
 pub use batch::Batch;
-pub use chat::{build_info, chat_msg_diffs, json_schema_to_grammar, parse_chat_message, validate_filename, ChatTemplates};
+pub use chat::{
+    build_info, chat_msg_diffs, check_chat_parser, json_parse_error, parse_chat_inputs, json_schema_to_grammar, parse_chat_message, validate_filename,
+    ChatTemplates,
+};
 pub use context::{Context, ContextParams, SeqRm, StateScope};
 pub use error::{DecodeError, FfiError, Result};
 pub use lora::LoraAdapter;
 pub use model::{Model, ModelParams, Token, Vocab};
 pub use params::{ParseOutcome, ServerParams};
 pub use router::{reserve_stdout, resolve_models, router_check_repo, router_download, router_models, router_remove_cached};
-pub use sampler::Sampler;
+pub use sampler::{sampling_settings, Sampler};
 pub use speculative::Speculative;
 
 /// Where the build put libllama and the backend modules (for tools that link the same build).

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::ptr::NonNull;
 
 use crate::error::{FfiError, Result};
-use crate::shim_string;
+use crate::shim_string::{self, call};
 use crate::sys;
 
 pub type Token = sys::llama_token;
@@ -125,6 +125,12 @@ impl Model {
         unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
     }
 
+    /// The weights' file type as llama.cpp names it ("Q4_K - Medium", ...).
+    pub fn ftype_name(&self) -> String {
+        // SAFETY: valid model; llama_ftype_name returns a static string.
+        unsafe { std::ffi::CStr::from_ptr(sys::llama_ftype_name(sys::llama_model_ftype(self.as_ptr()))) }.to_string_lossy().into_owned()
+    }
+
     /// A GGUF metadata value as a string, if present.
     pub fn meta(&self, key: &str) -> Option<String> {
         let key = shim_string::cstring(key, "metadata key").ok()?;
@@ -231,9 +237,10 @@ impl Vocab<'_> {
         let len = i32::try_from(text.len()).map_err(|_| FfiError::Tokenize("text too long".into()))?;
         let mut out = vec![0 as Token; text.len() + 2];
         for _ in 0..2 {
+            let mut err = std::ptr::null_mut();
             // SAFETY: text is valid for len bytes (no NUL needed); out is writable for its length.
             let n = unsafe {
-                sys::llama_tokenize(
+                sys::strata_tokenize(
                     self.ptr.as_ptr(),
                     text.as_ptr().cast(),
                     len,
@@ -241,8 +248,12 @@ impl Vocab<'_> {
                     out.len() as i32,
                     add_special,
                     parse_special,
+                    &mut err,
                 )
             };
+            if let Some(e) = crate::shim_string::take(err) {
+                return Err(FfiError::Tokenize(e));
+            }
             if n == i32::MIN {
                 return Err(FfiError::Tokenize("token count overflows i32".into()));
             }
@@ -255,38 +266,54 @@ impl Vocab<'_> {
         Err(FfiError::Tokenize("buffer size changed between calls".into()))
     }
 
-    /// One token's text piece as bytes (may be a partial UTF-8 sequence).
+    /// One token's text piece as bytes (may be a partial UTF-8 sequence); an id outside the
+    /// vocabulary gives an empty piece (see [`Vocab::try_token_to_piece`]).
     pub fn token_to_piece(&self, t: Token, special: bool) -> Vec<u8> {
+        self.try_token_to_piece(t, special).unwrap_or_default()
+    }
+
+    /// One token's text piece, or llama.cpp's error for an id outside the vocabulary.
+    pub fn try_token_to_piece(&self, t: Token, special: bool) -> Result<Vec<u8>> {
         let mut buf = vec![0u8; 32];
         loop {
-            // SAFETY: buf is writable for its length.
-            let n = unsafe { sys::llama_token_to_piece(self.ptr.as_ptr(), t, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special) };
+            let n = call(|err| {
+                // SAFETY: buf is writable for its length.
+                let n = unsafe {
+                    sys::strata_token_to_piece(self.ptr.as_ptr(), t, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special, err)
+                };
+                (n != i32::MIN).then_some(n)
+            })?;
             if n >= 0 {
                 buf.truncate(n as usize);
-                return buf;
+                return Ok(buf);
             }
             buf.resize((-n) as usize, 0);
         }
     }
 
-    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> String {
+    /// The text of `tokens` (lossy UTF-8), or llama.cpp's error for an id outside the vocabulary.
+    pub fn detokenize(&self, tokens: &[Token], remove_special: bool, unparse_special: bool) -> Result<String> {
         let mut buf = vec![0u8; tokens.len() * 8 + 16];
         loop {
-            // SAFETY: tokens and buf are valid for their lengths.
-            let n = unsafe {
-                sys::llama_detokenize(
-                    self.ptr.as_ptr(),
-                    tokens.as_ptr(),
-                    tokens.len() as i32,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                    remove_special,
-                    unparse_special,
-                )
-            };
+            let n = call(|err| {
+                // SAFETY: tokens and buf are valid for their lengths.
+                let n = unsafe {
+                    sys::strata_detokenize(
+                        self.ptr.as_ptr(),
+                        tokens.as_ptr(),
+                        tokens.len() as i32,
+                        buf.as_mut_ptr().cast(),
+                        buf.len() as i32,
+                        remove_special,
+                        unparse_special,
+                        err,
+                    )
+                };
+                (n != i32::MIN).then_some(n)
+            })?;
             if n >= 0 {
                 buf.truncate(n as usize);
-                return String::from_utf8_lossy(&buf).into_owned();
+                return Ok(String::from_utf8_lossy(&buf).into_owned());
             }
             buf.resize((-n) as usize, 0);
         }

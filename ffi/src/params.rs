@@ -48,28 +48,41 @@ impl ServerParams {
     }
 
     /// llama-server's own post-parse adjustments (-np auto = 4 slots with unified KV, ...).
-    pub fn apply_server_defaults(&mut self) {
-        // SAFETY: valid, exclusively borrowed handle.
-        unsafe { sys::strata_params_server_defaults(self.as_mut_ptr()) }
+    pub fn apply_server_defaults(&mut self) -> Result<()> {
+        shim_string::call(|err| {
+            // SAFETY: valid, exclusively borrowed handle.
+            unsafe { sys::strata_params_server_defaults(self.as_mut_ptr(), err) }.then_some(())
+        })
     }
 
     /// The server-relevant fields (see params_json in the shim).
     pub fn to_json(&self) -> Result<serde_json::Value> {
-        // SAFETY: valid handle; the returned string is owned by us.
-        let s = shim_string::take(unsafe { sys::strata_params_json(self.as_ptr()) })
-            .ok_or(FfiError::Shim("strata_params_json returned NULL".into()))?;
+        let s = shim_string::call(|err| {
+            // SAFETY: valid handle; the returned string is owned by us.
+            shim_string::take(unsafe { sys::strata_params_json(self.as_ptr(), err) })
+        })?;
         Ok(serde_json::from_str(&s)?)
     }
 
-    pub fn model_params(&mut self) -> crate::ModelParams<'_> {
+    pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {
+        let mut err = std::ptr::null_mut();
         // SAFETY: valid handle; the returned struct may point into common_params (tensor
         // overrides, devices), which lives as long as self.
-        crate::ModelParams::from_raw(unsafe { sys::strata_params_model(self.as_mut_ptr()) })
+        let raw = unsafe { sys::strata_params_model(self.as_mut_ptr(), &mut err) };
+        match shim_string::take(err) {
+            Some(e) => Err(FfiError::Shim(e)),
+            None => Ok(crate::ModelParams::from_raw(raw)),
+        }
     }
 
-    pub fn context_params(&self) -> crate::ContextParams {
+    pub fn context_params(&self) -> Result<crate::ContextParams> {
+        let mut err = std::ptr::null_mut();
         // SAFETY: valid handle.
-        crate::ContextParams::from_raw(unsafe { sys::strata_params_context(self.as_ptr()) })
+        let raw = unsafe { sys::strata_params_context(self.as_ptr(), &mut err) };
+        match shim_string::take(err) {
+            Some(e) => Err(FfiError::Shim(e)),
+            None => Ok(crate::ContextParams::from_raw(raw)),
+        }
     }
 }
 

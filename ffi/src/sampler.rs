@@ -6,7 +6,7 @@ use crate::context::Context;
 use crate::error::Result;
 use crate::model::{Model, Token};
 use crate::params::ServerParams;
-use crate::shim_string::{call, cstring};
+use crate::shim_string::{call, cstring, take};
 use crate::sys;
 
 /// llama.cpp's `common_sampler`: the server's sampler chain, grammar included.
@@ -30,66 +30,112 @@ impl Sampler {
         Ok(Self { ptr })
     }
 
-    pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Token {
-        // SAFETY: valid sampler and context; idx refers to an output of the last decode.
-        unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx) }
+    pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Result<Token> {
+        call(|err| {
+            // SAFETY: valid sampler and context; idx refers to an output of the last decode.
+            let t = unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx, err) };
+            (t != sys::LLAMA_TOKEN_NULL).then_some(t)
+        })
     }
 
     /// Verifies a draft decoded at batch indices `idxs` (the last sampled token's, then one
     /// per draft token): samples at each index while the sample equals the draft token there.
     /// Returns the samples (at least one; the matched draft tokens, then the first new token),
     /// all already accepted by the sampler.
-    pub fn sample_and_accept_n(&mut self, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Vec<Token> {
+    pub fn sample_and_accept_n(&mut self, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Result<Vec<Token>> {
         assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
         let mut out = vec![0 as Token; idxs.len()];
-        // SAFETY: idxs has draft.len() + 1 entries, out has room for as many; the indices refer
-        // to outputs of the last decode.
-        let n = unsafe {
-            sys::strata_sampler_sample_and_accept_n(
-                self.ptr.as_ptr(),
-                ctx.as_ptr(),
-                idxs.as_ptr(),
-                draft.as_ptr(),
-                draft.len() as i32,
-                out.as_mut_ptr(),
-            )
-        };
-        out.truncate(n.max(0) as usize);
-        out
+        let n = call(|err| {
+            // SAFETY: idxs has draft.len() + 1 entries, out has room for as many; the indices
+            // refer to outputs of the last decode.
+            let n = unsafe {
+                sys::strata_sampler_sample_and_accept_n(
+                    self.ptr.as_ptr(),
+                    ctx.as_ptr(),
+                    idxs.as_ptr(),
+                    draft.as_ptr(),
+                    draft.len() as i32,
+                    out.as_mut_ptr(),
+                    err,
+                )
+            };
+            (n >= 0).then_some(n as usize)
+        })?;
+        out.truncate(n);
+        Ok(out)
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::strata_sampler {
         self.ptr.as_ptr()
     }
 
-    pub fn accept(&mut self, token: Token, accept_grammar: bool) {
-        // SAFETY: valid sampler.
-        unsafe { sys::strata_sampler_accept(self.ptr.as_ptr(), token, accept_grammar) }
+    pub fn accept(&mut self, token: Token, accept_grammar: bool) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid sampler.
+            unsafe { sys::strata_sampler_accept(self.ptr.as_ptr(), token, accept_grammar, err) }.then_some(())
+        })
     }
 
-    pub fn reset(&mut self) {
-        // SAFETY: valid sampler.
-        unsafe { sys::strata_sampler_reset(self.ptr.as_ptr()) }
+    pub fn reset(&mut self) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid sampler.
+            unsafe { sys::strata_sampler_reset(self.ptr.as_ptr(), err) }.then_some(())
+        })
     }
 
     /// After `sample`: the probability the sampler chain gave `token`, and its `n_max` most
     /// likely candidates with theirs (zero-probability ones left out).
-    pub fn candidates(&mut self, token: Token, n_max: usize) -> (f32, Vec<(Token, f32)>) {
+    pub fn candidates(&mut self, token: Token, n_max: usize) -> Result<(f32, Vec<(Token, f32)>)> {
+        let n_max = n_max.min(i32::MAX as usize);
         let mut ids = vec![0 as Token; n_max];
         let mut probs = vec![0f32; n_max];
         let mut token_prob = 0f32;
-        // SAFETY: both buffers hold n_max entries; the shim writes at most that many.
-        let n = unsafe {
-            sys::strata_sampler_candidates(self.ptr.as_ptr(), token, &mut token_prob, ids.as_mut_ptr(), probs.as_mut_ptr(), n_max as i32)
-        };
-        let n = (n.max(0) as usize).min(n_max);
-        (token_prob, ids.into_iter().zip(probs).take(n).collect())
+        let n = call(|err| {
+            // SAFETY: both buffers hold n_max entries; the shim writes at most that many.
+            let n = unsafe {
+                sys::strata_sampler_candidates(
+                    self.ptr.as_ptr(),
+                    token,
+                    &mut token_prob,
+                    ids.as_mut_ptr(),
+                    probs.as_mut_ptr(),
+                    n_max as i32,
+                    err,
+                )
+            };
+            (n >= 0).then_some((n as usize).min(n_max))
+        })?;
+        Ok((token_prob, ids.into_iter().zip(probs).take(n).collect()))
+    }
+
+    /// Forces the end of the reasoning section (samplers made with reasoning_control); false
+    /// when there is none to end.
+    pub fn end_reasoning(&mut self) -> Result<bool> {
+        let mut err = std::ptr::null_mut();
+        // SAFETY: valid sampler.
+        let ended = unsafe { sys::strata_sampler_reasoning_end(self.ptr.as_ptr(), &mut err) };
+        match crate::shim_string::take(err) {
+            Some(e) => Err(crate::FfiError::Shim(e)),
+            None => Ok(ended),
+        }
     }
 
     pub fn seed(&self) -> u32 {
         // SAFETY: valid sampler.
         unsafe { sys::strata_sampler_seed(self.ptr.as_ptr()) }
     }
+}
+
+/// The sampling settings a task with `overrides` (as for [`Sampler::new`]) runs with, under
+/// llama-server's names (its task_params::to_json); `chat_format` is named from its value.
+pub fn sampling_settings(defaults: Option<&ServerParams>, overrides: &Value, chat_format: i32) -> Result<Value> {
+    let ovr = cstring(&overrides.to_string(), "sampling overrides")?;
+    let params = defaults.map_or(std::ptr::null(), |p| p.as_ptr());
+    let s = call(|err| {
+        // SAFETY: valid params (or null) and C string for the call; the result is owned by us.
+        take(unsafe { sys::strata_sampling_json(params, ovr.as_ptr(), chat_format, err) })
+    })?;
+    Ok(serde_json::from_str(&s)?)
 }
 
 impl Drop for Sampler {

@@ -20,7 +20,15 @@ pub(crate) fn call<T>(f: impl FnOnce(*mut *mut c_char) -> Option<T>) -> Result<T
     let mut err: *mut c_char = std::ptr::null_mut();
     match f(&mut err) {
         Some(v) => Ok(v),
-        None => Err(FfiError::Shim(take(err).unwrap_or_else(|| "unknown error".into()))),
+        None => {
+            let msg = take(err).unwrap_or_else(|| "unknown error".into());
+            // SAFETY: reads a thread-local the failed call just set.
+            let kind = unsafe { sys::strata_last_error_kind() } as u32;
+            Err(match kind {
+                sys::STRATA_ERROR_INVALID_ARGUMENT | sys::STRATA_ERROR_JSON => FfiError::BadInput(msg),
+                _ => FfiError::Shim(msg),
+            })
+        }
     }
 }
 

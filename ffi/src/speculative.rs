@@ -26,44 +26,55 @@ impl Speculative {
         Ok(Self { ptr })
     }
 
-    pub fn begin(&mut self, seq: i32, prompt: &[Token]) {
-        // SAFETY: prompt is valid for its length; the drafter copies it.
-        unsafe { sys::strata_speculative_begin(self.ptr.as_ptr(), seq, prompt.as_ptr(), prompt.len() as i32) }
+    pub fn begin(&mut self, seq: i32, prompt: &[Token]) -> Result<()> {
+        call(|err| {
+            // SAFETY: prompt is valid for its length; the drafter copies it.
+            unsafe { sys::strata_speculative_begin(self.ptr.as_ptr(), seq, prompt.as_ptr(), prompt.len() as i32, err) }.then_some(())
+        })
     }
 
     /// Up to `n_max` draft tokens following `last`, given the sequence so far.
-    pub fn draft(&mut self, seq: i32, tokens: &[Token], last: Token, n_max: usize) -> Vec<Token> {
+    pub fn draft(&mut self, seq: i32, tokens: &[Token], last: Token, n_max: usize) -> Result<Vec<Token>> {
         let mut out = vec![0 as Token; n_max];
-        // SAFETY: tokens and out are valid for their lengths; the shim writes at most n_max.
-        let n = unsafe {
-            sys::strata_speculative_draft(
-                self.ptr.as_ptr(),
-                seq,
-                tokens.as_ptr(),
-                tokens.len() as i32,
-                last,
-                out.as_mut_ptr(),
-                n_max as i32,
-            )
-        };
-        out.truncate(n.max(0) as usize);
-        out
+        let n = call(|err| {
+            // SAFETY: tokens and out are valid for their lengths; the shim writes at most n_max.
+            let n = unsafe {
+                sys::strata_speculative_draft(
+                    self.ptr.as_ptr(),
+                    seq,
+                    tokens.as_ptr(),
+                    tokens.len() as i32,
+                    last,
+                    out.as_mut_ptr(),
+                    n_max as i32,
+                    err,
+                )
+            };
+            (n >= 0).then_some(n as usize)
+        })?;
+        out.truncate(n);
+        Ok(out)
     }
 
     /// Feeds a decoded target batch to drafters that keep a context of their own in step with
-    /// the target (draft model, MTP head); false if that context failed to decode it.
-    pub fn process(&mut self, target: &mut Context<'_>, batch: &Batch) -> bool {
+    /// the target (draft model, MTP head); an error if that context failed to decode it.
+    pub fn process(&mut self, target: &mut Context<'_>, batch: &Batch) -> Result<()> {
         let raw = batch.raw();
         let n = batch.len();
         if n == 0 {
-            return true;
+            return Ok(());
         }
         // SAFETY: every entry below n_tokens was written by Batch::add with at least one
         // sequence id (the engine always passes one).
         let seq: Vec<i32> = (0..n).map(|i| unsafe { **raw.seq_id.add(i) }).collect();
-        // SAFETY: token/pos/logits arrays hold n_tokens entries; seq has n entries; the shim
-        // copies them into its own batch.
-        unsafe { sys::strata_speculative_process(self.ptr.as_ptr(), target.as_ptr(), n as i32, raw.token, raw.pos, seq.as_ptr(), raw.logits) }
+        call(|err| {
+            // SAFETY: token/pos/logits arrays hold n_tokens entries; seq has n entries; the shim
+            // copies them into its own batch.
+            unsafe {
+                sys::strata_speculative_process(self.ptr.as_ptr(), target.as_ptr(), n as i32, raw.token, raw.pos, seq.as_ptr(), raw.logits, err)
+            }
+            .then_some(())
+        })
     }
 
     /// Whether the drafter decodes in a context of its own, which must follow the target's
@@ -75,41 +86,48 @@ impl Speculative {
 
     /// How far the draft context can cut a sequence back (Partial without one). Clears the
     /// draft context's memory, so ask before serving.
-    pub fn probe_seq_rm(&mut self) -> crate::SeqRm {
-        // SAFETY: valid drafter; the draft context, if any, is not used while the call runs.
-        let kind = unsafe { sys::strata_speculative_seq_rm_type(self.ptr.as_ptr()) };
-        crate::SeqRm::from_kind(kind, 0)
+    pub fn probe_seq_rm(&mut self) -> Result<crate::SeqRm> {
+        let kind = call(|err| {
+            // SAFETY: valid drafter; the draft context, if any, is not used while the call runs.
+            let k = unsafe { sys::strata_speculative_seq_rm_type(self.ptr.as_ptr(), err) };
+            (k >= 0).then_some(k)
+        })?;
+        Ok(crate::SeqRm::from_kind(kind, 0))
     }
 
     /// The drafter's part of a context checkpoint for `seq` (the draft context's partial state,
     /// and with `with_drafter` the drafter's own), for [`Speculative::restore`].
-    pub fn checkpoint(&mut self, seq: i32, with_drafter: bool) -> Option<Vec<u8>> {
-        // SAFETY: valid drafter; the returned buffer is copied, then freed once.
+    pub fn checkpoint(&mut self, seq: i32, with_drafter: bool) -> Result<Vec<u8>> {
+        // SAFETY: valid drafter.
+        let b = call(|err| NonNull::new(unsafe { sys::strata_speculative_checkpoint(self.ptr.as_ptr(), seq, with_drafter, err) }))?;
+        // SAFETY: b is a live buffer from the shim; it is copied, then freed once.
         unsafe {
-            let b = sys::strata_speculative_checkpoint(self.ptr.as_ptr(), seq, with_drafter);
-            if b.is_null() {
-                return None;
-            }
-            let out = std::slice::from_raw_parts(sys::strata_bytes_data(b), sys::strata_bytes_size(b)).to_vec();
-            sys::strata_bytes_free(b);
-            Some(out)
+            let out = std::slice::from_raw_parts(sys::strata_bytes_data(b.as_ptr()), sys::strata_bytes_size(b.as_ptr())).to_vec();
+            sys::strata_bytes_free(b.as_ptr());
+            Ok(out)
         }
     }
 
-    /// Puts back what [`Speculative::checkpoint`] took; false if it does not fit.
-    pub fn restore(&mut self, seq: i32, data: &[u8]) -> bool {
-        // SAFETY: valid drafter; data is readable for its length.
-        unsafe { sys::strata_speculative_restore(self.ptr.as_ptr(), seq, data.as_ptr(), data.len()) }
+    /// Puts back what [`Speculative::checkpoint`] took; an error if it does not fit.
+    pub fn restore(&mut self, seq: i32, data: &[u8]) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid drafter; data is readable for its length.
+            unsafe { sys::strata_speculative_restore(self.ptr.as_ptr(), seq, data.as_ptr(), data.len(), err) }.then_some(())
+        })
     }
 
-    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) {
-        // SAFETY: valid drafter; out-of-range positions are handled by llama.cpp.
-        unsafe { sys::strata_speculative_seq_rm(self.ptr.as_ptr(), seq, p0, p1) }
+    pub fn seq_rm(&mut self, seq: i32, p0: i32, p1: i32) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid drafter; out-of-range positions are handled by llama.cpp.
+            unsafe { sys::strata_speculative_seq_rm(self.ptr.as_ptr(), seq, p0, p1, err) }.then_some(())
+        })
     }
 
-    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) {
-        // SAFETY: as seq_rm.
-        unsafe { sys::strata_speculative_seq_add(self.ptr.as_ptr(), seq, p0, p1, delta) }
+    pub fn seq_add(&mut self, seq: i32, p0: i32, p1: i32, delta: i32) -> Result<()> {
+        call(|err| {
+            // SAFETY: as seq_rm.
+            unsafe { sys::strata_speculative_seq_add(self.ptr.as_ptr(), seq, p0, p1, delta, err) }.then_some(())
+        })
     }
 
     /// Whether acceptance follows set rates (--spec-synth-*) instead of the model.
@@ -119,30 +137,36 @@ impl Speculative {
     }
 
     /// Seeds `seq`'s synthetic acceptance from the sampler's requested seed.
-    pub fn synth_seed(&mut self, seq: i32, sampler: &Sampler) {
-        // SAFETY: valid drafter and sampler; seq < n_seq of the drafter (one per slot).
-        unsafe { sys::strata_speculative_synth_seed(self.ptr.as_ptr(), seq, sampler.as_ptr()) }
+    pub fn synth_seed(&mut self, seq: i32, sampler: &Sampler) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid drafter and sampler; seq < n_seq of the drafter (one per slot).
+            unsafe { sys::strata_speculative_synth_seed(self.ptr.as_ptr(), seq, sampler.as_ptr(), err) }.then_some(())
+        })
     }
 
     /// As [`Sampler::sample_and_accept_n`], with synthetic acceptance.
-    pub fn accept_synth(&mut self, seq: i32, sampler: &mut Sampler, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Vec<Token> {
+    pub fn accept_synth(&mut self, seq: i32, sampler: &mut Sampler, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Result<Vec<Token>> {
         assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
         let mut out = vec![0 as Token; idxs.len()];
-        // SAFETY: as sample_and_accept_n; out has room for draft.len() + 1 tokens.
-        let n = unsafe {
-            sys::strata_speculative_accept_synth(
-                self.ptr.as_ptr(),
-                seq,
-                sampler.as_ptr(),
-                ctx.as_ptr(),
-                idxs.as_ptr(),
-                draft.as_ptr(),
-                draft.len() as i32,
-                out.as_mut_ptr(),
-            )
-        };
-        out.truncate(n.max(0) as usize);
-        out
+        let n = call(|err| {
+            // SAFETY: as sample_and_accept_n; out has room for draft.len() + 1 tokens.
+            let n = unsafe {
+                sys::strata_speculative_accept_synth(
+                    self.ptr.as_ptr(),
+                    seq,
+                    sampler.as_ptr(),
+                    ctx.as_ptr(),
+                    idxs.as_ptr(),
+                    draft.as_ptr(),
+                    draft.len() as i32,
+                    out.as_mut_ptr(),
+                    err,
+                )
+            };
+            (n >= 0).then_some(n as usize)
+        })?;
+        out.truncate(n);
+        Ok(out)
     }
 
     /// The most tokens one draft can hold.
@@ -151,9 +175,11 @@ impl Speculative {
         unsafe { sys::strata_speculative_n_max(self.ptr.as_ptr()) }.max(0) as usize
     }
 
-    pub fn accept(&mut self, seq: i32, n_accepted: u16) {
-        // SAFETY: valid drafter.
-        unsafe { sys::strata_speculative_accept(self.ptr.as_ptr(), seq, n_accepted) }
+    pub fn accept(&mut self, seq: i32, n_accepted: u16) -> Result<()> {
+        call(|err| {
+            // SAFETY: valid drafter.
+            unsafe { sys::strata_speculative_accept(self.ptr.as_ptr(), seq, n_accepted, err) }.then_some(())
+        })
     }
 }
 

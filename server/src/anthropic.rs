@@ -285,8 +285,10 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_openai(&body)?)?;
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
-    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
+    let mut params = task_params(&app, &model, &chat.task_body)?;
     let id = format!("chatcmpl-{}", random_string());
+    params.cmpl_id = id.clone();
+    params.n_cmpl = 1;
     let alias = app.engine.model_alias().to_string();
     let rx = app.engine.submit(vec![prompt], params.clone())?;
     let parser = chat.parser;

@@ -11,7 +11,7 @@ use strata_ffi::{Model, Token};
 
 use crate::engine::{Event, TaskKind};
 use crate::error::{ApiError, ErrorType};
-use crate::http::{collect_values, loaded_model, parse_body, task_params, tokenize_mixed, tokenize_prompts, App};
+use crate::http::{collect_values, loaded_model, parse_body, tokenize_mixed, tokenize_prompts, App};
 
 /// llama_pooling_type values.
 const POOLING_NONE: i64 = 0;
@@ -69,7 +69,7 @@ async fn run_embeddings(app: App, body: Bytes, mut oai: bool) -> Result<Response
         None => app.info.embd_normalize,
         Some(v) => v.as_i64().ok_or_else(|| ApiError::invalid("\"embd_normalize\" must be an integer"))? as i32,
     };
-    let mut params = task_params(&Map::new(), None, &[], 0)?;
+    let mut params = crate::http::params_from_fields(&Map::new(), &Map::new(), None, 0);
     params.kind = TaskKind::Embedding { normalize };
     let n = prompts.len();
     let rx = app.engine.submit(prompts, params)?;
@@ -207,7 +207,7 @@ pub async fn rerank(State(app): State<App>, body: Bytes) -> Result<Response, Api
     }
     let top_n = body.get("top_n").and_then(Value::as_i64).unwrap_or(docs.len() as i64).max(0) as usize;
     let prompts = docs.iter().map(|d| rerank_prompt(&model, &query, d)).collect::<Result<Vec<_>, _>>()?;
-    let mut params = task_params(&Map::new(), None, &[], 0)?;
+    let mut params = crate::http::params_from_fields(&Map::new(), &Map::new(), None, 0);
     params.kind = TaskKind::Rerank;
     let n = prompts.len();
     let rx = app.engine.submit(prompts, params)?;

@@ -71,6 +71,18 @@ pub struct TaskParams {
     pub cache_prompt: bool,
     /// -1: any slot.
     pub id_slot: i32,
+    /// The OpenAI completion id the answer carries, by which control actions find the task.
+    pub cmpl_id: String,
+    /// Completions per prompt (the request's n); the copies after the first sample with the
+    /// seed plus their position, as llama-server's child tasks do.
+    pub n_cmpl: usize,
+    /// The chat template's output format (common_chat_format), for parsing and reporting.
+    pub chat_format: i32,
+    /// The reasoning format's name (none, auto, deepseek, deepseek-legacy).
+    pub reasoning_format: String,
+    /// The answer carries the task's settings (generation_settings): settings that cannot be
+    /// written (an unknown chat_format) then fail the task at its end, as in llama-server.
+    pub settings_in_answer: bool,
     pub return_tokens: bool,
     pub ignore_eos: bool,
     pub t_max_predict_ms: i64,
@@ -105,10 +117,11 @@ pub struct Task {
 
 /// What `/slots/{id}?action=` asks of a slot; done when the slot is idle.
 #[derive(Debug, Clone)]
+/// `id` is the slot id as asked; it reaches a slot as llama-server's get_slot_by_id does.
 pub enum SlotAction {
-    Save { id: usize, filename: String, path: PathBuf },
-    Restore { id: usize, filename: String, path: PathBuf },
-    Erase { id: usize },
+    Save { id: i32, filename: String, path: PathBuf },
+    Restore { id: i32, filename: String, path: PathBuf },
+    Erase { id: i32 },
 }
 
 pub enum Job {
@@ -116,6 +129,10 @@ pub enum Job {
     Slot(SlotAction, oneshot::Sender<Result<Value, ApiError>>),
     /// Answered once the engine is awake (its context re-created after sleeping).
     Wake(oneshot::Sender<()>),
+    /// A live completion's control action (`/v1/chat/completions/control`): its answer.
+    Control { cmpl_id: String, action: String, reply: oneshot::Sender<Value> },
+    /// The slots as `/slots` shows them, and how many are idle.
+    Slots(oneshot::Sender<(Vec<Value>, usize)>),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -200,6 +217,8 @@ pub struct Final {
     pub timings: Timings,
     /// Per-token probabilities (non-streamed answers with n_probs > 0).
     pub probs: Vec<TokenProbs>,
+    /// The settings the task ran with (llama-server's generation_settings).
+    pub settings: Arc<Value>,
 }
 
 /// The answer to an embedding or rerank task.
@@ -232,10 +251,10 @@ pub struct EngineHandle {
     next_task_id: Arc<std::sync::atomic::AtomicU64>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
     sleeping: Arc<std::sync::atomic::AtomicBool>,
-    /// Whether each slot is processing a task, as of the engine's last step.
-    busy: watch::Receiver<Vec<bool>>,
     /// The LoRA adapters and their global scales.
     lora: Arc<std::sync::Mutex<Vec<LoraInfo>>>,
+    /// A task's settings when it sets none, once the model is loaded.
+    default_settings: Arc<OnceLock<Value>>,
 }
 
 impl EngineHandle {
@@ -260,9 +279,6 @@ impl EngineHandle {
         self.metrics.clone()
     }
 
-    pub fn slots_busy(&self) -> Vec<bool> {
-        self.busy.borrow().clone()
-    }
 
     pub fn state_watch(&self) -> watch::Receiver<State> {
         self.state.clone()
@@ -276,13 +292,23 @@ impl EngineHandle {
     /// tagged with its prompt's index. Dropping the receiver cancels them all.
     pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
-        for (index, prompt) in prompts.into_iter().enumerate() {
-            let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let task = Task { id, index, prompt, params: params.clone(), events: events.clone() };
-            self.tx.try_send(Job::Task(task)).map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
-                mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
-            })?;
+        let n_cmpl = params.n_cmpl.max(1);
+        for (p, prompt) in prompts.into_iter().enumerate() {
+            for j in 0..n_cmpl {
+                let mut params = params.clone();
+                if j > 0 {
+                    params.id_slot = -1;
+                    if let Some(seed) = params.sampling.get("seed").and_then(Value::as_u64).filter(|&s| s != u32::MAX as u64) {
+                        params.sampling["seed"] = (seed as u32).wrapping_add(j as u32).into();
+                    }
+                }
+                let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let task = Task { id, index: p * n_cmpl + j, prompt: prompt.clone(), params, events: events.clone() };
+                self.tx.try_send(Job::Task(task)).map_err(|e| match e {
+                    mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
+                    mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
+                })?;
+            }
         }
         Ok(rx)
     }
@@ -306,6 +332,27 @@ impl EngineHandle {
         rx.await.map_err(|_| ApiError::server("engine dropped the request"))?
     }
 
+    /// A control action on the live completion `cmpl_id`; the engine's answer.
+    pub async fn control(&self, cmpl_id: String, action: String) -> Result<Value, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        let job = Job::Control { cmpl_id, action, reply };
+        self.tx.try_send(job).map_err(|_| ApiError::new(ErrorType::Unavailable, "server is busy, try again later"))?;
+        rx.await.map_err(|_| ApiError::server("engine dropped the request"))
+    }
+
+    /// The slots as `/slots` shows them, asked of the engine between steps as llama-server
+    /// does; and how many are idle.
+    pub async fn slots(&self) -> Result<(Vec<Value>, usize), ApiError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.try_send(Job::Slots(reply)).map_err(|_| ApiError::new(ErrorType::Unavailable, "server is busy, try again later"))?;
+        rx.await.map_err(|_| ApiError::server("engine dropped the request"))
+    }
+
+    /// The settings a task that sets none runs with (/props' default_generation_settings).
+    pub fn default_settings(&self) -> Value {
+        self.default_settings.get().cloned().unwrap_or(Value::Null)
+    }
+
     pub fn lora_adapters(&self) -> Vec<LoraInfo> {
         self.lora.lock().map(|l| l.clone()).unwrap_or_default()
     }
@@ -322,7 +369,6 @@ impl EngineHandle {
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
-        let (_, busy) = watch::channel(Vec::new());
         Self {
             tx,
             state,
@@ -331,9 +377,9 @@ impl EngineHandle {
             n_ctx_slot: Arc::default(),
             next_task_id: Arc::default(),
             metrics: Arc::default(),
-            busy,
             sleeping: Arc::default(),
             lora: Arc::default(),
+            default_settings: Arc::default(),
         }
     }
 }
@@ -382,15 +428,15 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let (state_tx, state_rx) = watch::channel(State::Loading);
     let model = Arc::new(OnceLock::new());
     let n_ctx_slot = Arc::new(OnceLock::new());
-    let (busy_tx, busy) = watch::channel(vec![false; cfg.n_parallel.max(1)]);
     let metrics: Arc<std::sync::Mutex<Metrics>> = Arc::default();
     let sleeping: Arc<std::sync::atomic::AtomicBool> = Arc::default();
     let lora: Arc<std::sync::Mutex<Vec<LoraInfo>>> = Arc::default();
+    let default_settings: Arc<OnceLock<Value>> = Arc::default();
     let shared = Shared {
+        default_settings: default_settings.clone(),
         sleeping: sleeping.clone(),
         model: model.clone(),
         n_ctx_slot: n_ctx_slot.clone(),
-        busy: busy_tx,
         metrics: metrics.clone(),
         lora: lora.clone(),
     };
@@ -399,21 +445,36 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         .name("strata-engine".into())
         .spawn(move || run(cfg, rx, state_tx, &shared))
         .expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, busy, sleeping, lora }
+    EngineHandle {
+        tx,
+        state: state_rx,
+        model,
+        model_alias,
+        n_ctx_slot,
+        next_task_id: Arc::default(),
+        metrics,
+        sleeping,
+        lora,
+        default_settings,
+    }
 }
 
 /// What the engine publishes for handlers.
 struct Shared {
+    /// A task's settings when it sets none (the metrics form /props shows).
+    default_settings: Arc<OnceLock<Value>>,
     lora: Arc<std::sync::Mutex<Vec<LoraInfo>>>,
     sleeping: Arc<std::sync::atomic::AtomicBool>,
     model: Arc<OnceLock<Arc<Model>>>,
     n_ctx_slot: Arc<OnceLock<usize>>,
-    busy: watch::Sender<Vec<bool>>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
 }
 
 fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
-    strata_ffi::init_backend(Some(&cfg.params));
+    if let Err(e) = strata_ffi::init_backend(Some(&cfg.params)) {
+        let _ = state.send(State::Failed(e.to_string()));
+        return;
+    }
     let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
         Ok(p) => p,
         Err(e) => {
@@ -421,8 +482,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             return;
         }
     };
-    let mparams = cfg.params.model_params();
-    let model = match Model::load(&cfg.model_path, &mparams) {
+    let model = match cfg.params.model_params().and_then(|mparams| Model::load(&cfg.model_path, &mparams)) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             let _ = state.send(State::Failed(e.to_string()));
@@ -430,6 +490,20 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
         }
     };
     let _ = shared.model.set(model.clone());
+    // /props shows a default-made task's settings: the server's sampling, nothing else of its
+    // flags (no speculative types, no reasoning format, no -n)
+    let mut base = crate::http::params_from_fields(&serde_json::Map::new(), &serde_json::Map::new(), None, 0);
+    base.reasoning_format = "none".into();
+    match strata_ffi::sampling_settings(Some(&cfg.params), &serde_json::json!({}), 0) {
+        Ok(mut s) => {
+            s["speculative.types"] = "none".into();
+            let _ = shared.default_settings.set(crate::request::task_settings(&s, &base, -1, true));
+        }
+        Err(e) => {
+            let _ = state.send(State::Failed(e.to_string()));
+            return;
+        }
+    }
     let mut adapters = Vec::new();
     let mut infos = Vec::new();
     for (path, scale) in &cfg.lora {
@@ -461,7 +535,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
     let mut woken_by: Option<Job> = None;
     let mut placed = false;
     loop {
-        let ctx = match Context::new(&model, cfg.params.context_params()) {
+        let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, p)) {
             Ok(c) => c,
             Err(e) => {
                 let _ = state.send(State::Failed(e.to_string()));
@@ -484,8 +558,14 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
             }
         };
         let mut spec = spec;
-        let seq_rm = ctx.probe_seq_rm();
-        let draft_seq_rm = spec.as_mut().map_or(SeqRm::Partial, Speculative::probe_seq_rm);
+        let probed = ctx.probe_seq_rm().and_then(|s| Ok((s, spec.as_mut().map_or(Ok(SeqRm::Partial), Speculative::probe_seq_rm)?)));
+        let (seq_rm, draft_seq_rm) = match probed {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        };
         let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, shared, &adapters);
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
@@ -532,8 +612,7 @@ fn reuse_chunks(
         ctx.seq_rm(seq, head_p as i32, head_c as i32);
         ctx.seq_add(seq, head_c as i32, (head_c + n_match) as i32, shift);
         if let Some(s) = spec.as_deref_mut() {
-            s.seq_rm(seq, head_p as i32, head_c as i32);
-            s.seq_add(seq, head_c as i32, (head_c + n_match) as i32, shift);
+            drafter_log(s.seq_rm(seq, head_p as i32, head_c as i32).and_then(|()| s.seq_add(seq, head_c as i32, (head_c + n_match) as i32, shift)), id);
         }
         head_c += n_match;
         head_p += n_match;
@@ -592,7 +671,13 @@ fn take_checkpoint(
         slot_log_at(Verbosity::Warn, "create_check", slot.id, task as i64, "failed to copy the sequence state for a context checkpoint");
         return;
     };
-    let spec = spec.and_then(|s| s.checkpoint(id, true));
+    let spec = match spec.map(|s| s.checkpoint(id, true)).transpose() {
+        Ok(s) => s,
+        Err(e) => {
+            slot_log_at(Verbosity::Warn, "create_check", slot.id, task as i64, &format!("failed to copy the drafter state for a context checkpoint: {e}"));
+            return;
+        }
+    };
     checkpoint::push(&mut slot.checkpoints, policy, slot.id, Checkpoint { n_tokens, pos_min, pos_max, task, tgt, spec });
 }
 
@@ -674,6 +759,8 @@ fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, shared: &Sh
 struct Active {
     task: Task,
     sampler: Sampler,
+    /// llama-server's task_params::to_json for this task, or why it cannot be written.
+    settings: Result<Arc<Value>, String>,
     gen: Generation,
     n_predict_max: i32,
     n_cached: usize,
@@ -709,11 +796,12 @@ struct Active {
 }
 
 impl Active {
-    fn new(task: Task, sampler: Sampler, n_predict_max: i32, n_cached: usize, lora: Vec<f32>) -> Self {
+    fn new(task: Task, sampler: Sampler, settings: Result<Arc<Value>, String>, n_predict_max: i32, n_cached: usize, lora: Vec<f32>) -> Self {
         Active {
             gen: Generation::new(task.params.stop.clone()),
             task,
             sampler,
+            settings,
             n_predict_max,
             n_cached,
             sampled: None,
@@ -792,6 +880,8 @@ struct Slot {
     /// The first position of `cache` decoded with `lora` (an aLoRA's starts before its
     /// invocation; earlier ones had no adapter).
     adapter_from: usize,
+    /// The id and settings (metrics form) of the task this slot ran last, for `/slots`.
+    last: Option<(u64, Value)>,
 }
 
 impl Slot {
@@ -857,6 +947,33 @@ fn softmax_top(logits: &[f32], n: usize, token: Token) -> (f32, Vec<(Token, f32)
 }
 
 /// A slot log line in llama-server's format: `slot <func>: id <slot> | task <task> | <msg>`.
+/// A task's settings in the metrics form /slots shows.
+fn metrics_settings(a: &Active) -> Value {
+    let mut params = a.settings.as_deref().cloned().unwrap_or_default();
+    if let Value::Object(p) = &mut params {
+        p.retain(|k, _| !crate::request::FULL_ONLY.contains(&k.as_str()));
+    }
+    params
+}
+
+/// An exception llama.cpp threw for a request, as llama-server reports it (a 500).
+fn exception(e: strata_ffi::FfiError) -> ApiError {
+    ApiError::server(format!("got exception: {e}"))
+}
+
+/// Logs a failed drafter call; true when it failed. The drafter's copy of the slot's sequence
+/// is then unreliable: drafts may be poor until it is rebuilt, but the target decides every
+/// token, so the request goes on.
+fn drafter_log(r: strata_ffi::Result<()>, slot: usize) -> bool {
+    match r {
+        Ok(()) => false,
+        Err(e) => {
+            slot_log_at(Verbosity::Warn, "update_slots", slot, -1, &format!("drafter call failed: {e}"));
+            true
+        }
+    }
+}
+
 fn slot_log(func: &str, slot: usize, task: u64, msg: &str) {
     slot_log_at(Verbosity::Info, func, slot, task as i64, msg);
 }
@@ -895,7 +1012,17 @@ impl<'m> Engine<'m> {
         }
         let now = Instant::now();
         let slots = (0..n_parallel)
-            .map(|id| Slot { id, cache: Vec::new(), draft_stale: false, lora: Vec::new(), last_used: now, active: None, checkpoints: Vec::new(), adapter_from: 0 })
+            .map(|id| Slot {
+                id,
+                cache: Vec::new(),
+                draft_stale: false,
+                lora: Vec::new(),
+                last_used: now,
+                active: None,
+                checkpoints: Vec::new(),
+                adapter_from: 0,
+                last: None,
+            })
             .collect();
         let draft_ctx = spec.as_ref().is_some_and(Speculative::has_context);
         let prompt_cache = match cfg.cache_ram_mib {
@@ -990,6 +1117,35 @@ impl<'m> Engine<'m> {
             Job::Wake(reply) => {
                 let _ = reply.send(());
             }
+            Job::Control { cmpl_id, action, reply } => {
+                let _ = reply.send(self.control(&cmpl_id, &action));
+            }
+            Job::Slots(reply) => {
+                let slots = (0..self.slots.len()).map(|id| self.slot_json(id)).collect();
+                let n_idle = self.slots.iter().filter(|s| s.active.is_none()).count();
+                let _ = reply.send((slots, n_idle));
+            }
+        }
+    }
+
+    /// Acts on a live completion at once, never deferred (llama-server's SERVER_TASK_TYPE_CONTROL).
+    fn control(&mut self, cmpl_id: &str, action: &str) -> Value {
+        let refused = |message: &str| serde_json::json!({"success": false, "message": message});
+        let live = self.slots.iter_mut().filter_map(|s| s.active.as_mut()).find(|a| a.task.params.cmpl_id == cmpl_id);
+        let Some(a) = live else {
+            let msg = format!("control {action} on unknown completion id={cmpl_id}, no live slot");
+            srv_log(Verbosity::Warn, "process_single_task", &msg);
+            return refused("no active completion for this id");
+        };
+        if action != "reasoning_end" {
+            return refused("unknown control action");
+        }
+        if a.task.params.sampling.get("reasoning_control").and_then(Value::as_bool) != Some(true) {
+            return refused("reasoning control not enabled for this completion");
+        }
+        match a.sampler.end_reasoning() {
+            Ok(_) => serde_json::json!({"success": true}),
+            Err(e) => refused(&e.to_string()),
         }
     }
 
@@ -1000,48 +1156,56 @@ impl<'m> Engine<'m> {
             let id = match &action {
                 SlotAction::Save { id, .. } | SlotAction::Restore { id, .. } | SlotAction::Erase { id } => *id,
             };
-            let Some(slot) = self.slots.get(id) else {
+            let Some(idx) = self.slot_by_id(id) else {
                 let _ = reply.send(Err(ApiError::invalid("Invalid slot ID")));
                 continue;
             };
-            if slot.active.is_some() {
+            if self.slots[idx].active.is_some() {
                 waiting.push_back((action, reply));
                 continue;
             }
-            let _ = reply.send(self.slot_action(action));
+            let _ = reply.send(self.slot_action(action, idx));
         }
         self.slot_actions = waiting;
     }
 
-    fn slot_action(&mut self, action: SlotAction) -> Result<Value, ApiError> {
+    /// llama-server's get_slot_by_id: the id wraps around the slot count as an unsigned number,
+    /// so every id finds a slot (-1 is the last of four).
+    fn slot_by_id(&self, id: i32) -> Option<usize> {
+        let n = self.slots.len() as u64;
+        (n > 0).then(|| ((id as i64 as u64) % n) as usize)
+    }
+
+    /// Runs `action` on slot `idx`; the answer names the slot id as it was asked.
+    fn slot_action(&mut self, action: SlotAction, idx: usize) -> Result<Value, ApiError> {
         let t0 = Instant::now();
         let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
         match action {
             SlotAction::Save { id, filename, path } => {
-                let n = self.ctx.save_seq(&path, id as i32, &self.slots[id].cache);
+                let n = self.ctx.save_seq(&path, idx as i32, &self.slots[idx].cache);
                 if n == 0 {
                     return Err(ApiError::server("Unable to save slot"));
                 }
                 Ok(serde_json::json!({
-                    "id_slot": id, "filename": filename, "n_saved": self.slots[id].cache.len(),
+                    "id_slot": id, "filename": filename, "n_saved": self.slots[idx].cache.len(),
                     "n_written": n, "timings": {"save_ms": ms(t0)},
                 }))
             }
             SlotAction::Restore { id, filename, path } => {
                 let n_vocab = self.ctx.model().vocab().n_tokens();
-                let restored = self.ctx.load_seq(&path, id as i32, self.n_ctx_slot);
+                let restored = self.ctx.load_seq(&path, idx as i32, self.n_ctx_slot);
                 let ok = restored.filter(|(_, toks)| toks.iter().all(|&t| (0..n_vocab).contains(&t)));
                 let Some((n_read, tokens)) = ok else {
-                    self.ctx.seq_rm(id as i32, 0, -1);
-                    self.slots[id].forget();
+                    self.ctx.seq_rm(idx as i32, 0, -1);
+                    self.slots[idx].forget();
                     return Err(ApiError::invalid("Unable to restore slot: No available space in KV cache or invalid slot save file"));
                 };
                 let n = tokens.len();
-                self.slots[id].forget();
-                self.slots[id].cache = tokens;
+                self.slots[idx].forget();
+                self.slots[idx].cache = tokens;
                 if let Some(spec) = self.spec.as_mut().filter(|s| s.has_context()) {
-                    spec.seq_rm(id as i32, -1, -1);
-                    self.slots[id].draft_stale = true;
+                    drafter_log(spec.seq_rm(idx as i32, -1, -1), idx);
+                    self.slots[idx].draft_stale = true;
                 }
                 Ok(serde_json::json!({
                     "id_slot": id, "filename": filename, "n_restored": n,
@@ -1049,12 +1213,12 @@ impl<'m> Engine<'m> {
                 }))
             }
             SlotAction::Erase { id } => {
-                let n = self.slots[id].cache.len();
-                self.ctx.seq_rm(id as i32, 0, -1);
+                let n = self.slots[idx].cache.len();
+                self.ctx.seq_rm(idx as i32, 0, -1);
                 if let Some(spec) = self.spec.as_mut() {
-                    spec.seq_rm(id as i32, -1, -1);
+                    drafter_log(spec.seq_rm(idx as i32, -1, -1), idx);
                 }
-                self.slots[id].forget();
+                self.slots[idx].forget();
                 Ok(serde_json::json!({"id_slot": id, "n_erased": n}))
             }
         }
@@ -1065,7 +1229,7 @@ impl<'m> Engine<'m> {
     /// the similarity threshold), else the least recently used (llama-server's
     /// get_available_slot).
     fn pick_slot(&self, task: &Task) -> Option<(usize, bool)> {
-        let asked = (task.params.id_slot >= 0).then_some(task.params.id_slot as usize);
+        let asked = (task.params.id_slot != -1).then(|| self.slot_by_id(task.params.id_slot)).flatten();
         if let Some(id) = asked {
             self.slots.get(id).filter(|s| s.active.is_none())?;
         }
@@ -1077,6 +1241,8 @@ impl<'m> Engine<'m> {
                 .filter(|s| !s.cache.is_empty())
                 .map(|s| (s, common_prefix(&s.cache, &task.prompt)))
                 .filter(|&(_, n)| n as f32 / n_prompt > self.slot_prompt_similarity)
+                // the first of equally similar slots
+                .rev()
                 .max_by_key(|&(_, n)| n);
             if let Some((s, n)) = similar {
                 // about to lose much of the slot's context: keep a copy in the prompt cache
@@ -1086,7 +1252,8 @@ impl<'m> Engine<'m> {
         if let Some(id) = asked {
             return Some((id, false));
         }
-        idle.min_by_key(|s| s.last_used).map(|s| (s.id, true))
+        // of equally old slots the last, as llama-server's `<=` scan picks it
+        idle.rev().min_by_key(|s| s.last_used).map(|s| (s.id, true))
     }
 
     /// Saves slot `id`'s sequence to the prompt cache, then restores the cached prompt that
@@ -1133,7 +1300,7 @@ impl<'m> Engine<'m> {
 
     fn start(&mut self, id: usize, task: Task) {
         let n_prompt = task.prompt.len();
-        if n_prompt == 0 {
+        if n_prompt == 0 && task.params.kind != TaskKind::Completion {
             let _ = task.events.send(Event::Error(ApiError::invalid("the prompt is empty")));
             return;
         }
@@ -1144,6 +1311,43 @@ impl<'m> Engine<'m> {
         }
         if task.params.kind != TaskKind::Completion {
             self.start_embedding(id, task);
+            return;
+        }
+        let model = self.ctx.model();
+        let sampler = match Sampler::new(model, Some(self.params), &task.params.sampling) {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = format!("Failed to initialize samplers: {e}");
+                let _ = task.events.send(Event::Error(ApiError::invalid(msg)));
+                return;
+            }
+        };
+        let n_predict = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
+        let settings = strata_ffi::sampling_settings(Some(self.params), &task.params.sampling, task.params.chat_format)
+            .map(|s| Arc::new(crate::request::task_settings(&s, &task.params, n_predict as i64, false)))
+            .map_err(|e| e.to_string());
+        if n_prompt == 0 {
+            // llama-server answers an empty prompt with an empty completion
+            slot_log_at(Verbosity::Warn, "update_slots", id, task.id as i64, "empty prompt - releasing slot");
+            let fin = Final {
+                index: task.index,
+                content: String::new(),
+                tokens: Vec::new(),
+                id_slot: id,
+                n_decoded: 0,
+                n_prompt: 0,
+                stop: StopType::None,
+                stopping_word: String::new(),
+                truncated: false,
+                has_new_line: false,
+                timings: Timings::default(),
+                probs: Vec::new(),
+                settings: settings.clone().unwrap_or_default(),
+            };
+            let _ = task.events.send(match settings {
+                Err(e) if task.params.settings_in_answer => Event::Error(ApiError::server(e)),
+                _ => Event::Final(Box::new(fin)),
+            });
             return;
         }
         if n_prompt >= self.n_ctx_slot {
@@ -1157,14 +1361,6 @@ impl<'m> Engine<'m> {
             let _ = task.events.send(Event::Error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot)));
             return;
         }
-        let model = self.ctx.model();
-        let sampler = match Sampler::new(model, Some(self.params), &task.params.sampling) {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = task.events.send(Event::Error(ApiError::invalid(e.to_string())));
-                return;
-            }
-        };
         let mut lora = self.lora_scales(&task.params.lora);
         let requested = lora.clone();
         let alora = match self.alora_start(&mut lora, &task.prompt, id, task.id) {
@@ -1188,7 +1384,7 @@ impl<'m> Engine<'m> {
             if !slot.cache.is_empty() && !keep_for_alora {
                 self.ctx.seq_rm(id as i32, -1, -1);
                 if let Some(spec) = self.spec.as_mut() {
-                    spec.seq_rm(id as i32, -1, -1);
+                    drafter_log(spec.seq_rm(id as i32, -1, -1), id);
                 }
                 slot.forget();
             }
@@ -1221,7 +1417,7 @@ impl<'m> Engine<'m> {
             let restored = found.filter(|&i| {
                 let c = &slot.checkpoints[i];
                 let spec_ok = match (self.spec.as_mut(), &c.spec) {
-                    (Some(spec), Some(data)) => spec.restore(id as i32, data),
+                    (Some(spec), Some(data)) => spec.restore(id as i32, data).is_ok(),
                     _ => true,
                 };
                 spec_ok && self.ctx.set_seq_state(id as i32, &c.tgt, StateScope::Partial)
@@ -1256,19 +1452,24 @@ impl<'m> Engine<'m> {
             keep = 0;
         }
         if let Some(spec) = self.spec.as_mut() {
-            spec.seq_rm(id as i32, keep as i32, -1);
-            if spec.has_synth() {
-                spec.synth_seed(id as i32, &sampler);
+            let seeded = spec.seq_rm(id as i32, keep as i32, -1).and_then(|()| match spec.has_synth() {
+                true => spec.synth_seed(id as i32, &sampler),
+                false => Ok(()),
+            });
+            if let Err(e) = seeded {
+                let _ = task.events.send(Event::Error(exception(e)));
+                return;
             }
         }
         slot.cache.truncate(keep);
         let n_predict_max = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
         let mut sampler = sampler;
-        for &t in &task.prompt {
-            sampler.accept(t, false);
+        if let Err(e) = task.prompt.iter().try_for_each(|&t| sampler.accept(t, false)) {
+            let _ = task.events.send(Event::Error(exception(e)));
+            return;
         }
         let starts = if self.checkpoints.is_some() { checkpoint::user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
-        let mut active = Active::new(task, sampler, n_predict_max, keep, lora);
+        let mut active = Active::new(task, sampler, settings, n_predict_max, keep, lora);
         active.user_starts = starts;
         active.alora = alora;
         slot.active = Some(active);
@@ -1339,7 +1540,7 @@ impl<'m> Engine<'m> {
         let slot = &mut self.slots[id];
         slot.forget();
         slot.lora = lora.clone();
-        slot.active = Some(Active::new(task, sampler, 0, 0, lora));
+        slot.active = Some(Active::new(task, sampler, Ok(Arc::default()), 0, 0, lora));
     }
 
     /// Reads a finished embedding or rerank task's result from the last decode, answers it and
@@ -1382,31 +1583,62 @@ impl<'m> Engine<'m> {
         let _ = a.task.events.send(Event::Embedding(out));
     }
 
+    /// A slot as llama-server's /slots shows it (its metrics form): the task it runs, or ran
+    /// last, with that task's settings and progress.
+    fn slot_json(&self, id: usize) -> Value {
+        let slot = &self.slots[id];
+        let mut v = serde_json::json!({
+            "id": id,
+            "n_ctx": self.n_ctx_slot,
+            "speculative": self.spec.is_some(),
+            "is_processing": slot.active.is_some(),
+        });
+        // an idle slot keeps its last task's id and settings; its counters start again
+        let task = match (&slot.active, &slot.last) {
+            (Some(a), _) => {
+                let n_remain = if a.n_predict_max == -1 { -1 } else { a.n_predict_max as i64 - a.n_decoded as i64 };
+                let processed = a.task.prompt.len().saturating_sub(a.n_cached);
+                Some((a.task.id, metrics_settings(a), processed, a.n_cached, true, a.gen.has_new_line, n_remain, a.n_decoded))
+            }
+            (None, Some((id, params))) => Some((*id, params.clone(), 0, 0, false, false, -1, 0)),
+            (None, None) => None,
+        };
+        if let Some((id_task, params, processed, cached, has_next, has_new_line, n_remain, n_decoded)) = task {
+            v["id_task"] = id_task.into();
+            v["n_prompt_tokens"] = slot.cache.len().into();
+            v["n_prompt_tokens_processed"] = processed.into();
+            v["n_prompt_tokens_cache"] = cached.into();
+            v["params"] = params;
+            v["next_token"] = serde_json::json!([{
+                "has_next_token": has_next,
+                "has_new_line": has_new_line,
+                "n_remain": n_remain,
+                "n_decoded": n_decoded,
+            }]);
+        }
+        v
+    }
+
     fn release(&mut self, id: usize) -> Option<Active> {
         let slot = &mut self.slots[id];
         slot.last_used = Instant::now();
         let a = slot.active.take()?;
+        slot.last = Some((a.task.id, metrics_settings(&a)));
         let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);
         slot_log("release", id, a.task.id, &msg);
         crate::experts::request_done();
-        // Before the final answer goes out, so a client that reads /slots or /metrics right
-        // after it sees the slot idle.
+        // Before the final answer goes out, so a client that reads /metrics right after it
+        // sees the slot idle.
         self.publish();
         Some(a)
     }
 
-    /// Slot occupancy for /slots and the request gauges of /metrics.
+    /// The request gauges of /metrics.
     fn publish(&self) {
-        let busy: Vec<bool> = self.slots.iter().map(|s| s.active.is_some()).collect();
         if let Ok(mut m) = self.metrics.lock() {
-            m.n_processing = busy.iter().filter(|&&b| b).count();
+            m.n_processing = self.slots.iter().filter(|s| s.active.is_some()).count();
             m.n_deferred = self.pending.len();
         }
-        self.shared.busy.send_if_modified(|b| {
-            let changed = *b != busy;
-            *b = busy;
-            changed
-        });
     }
 
     /// llama-server's context shift: when a generating slot's context is full, keep the first
@@ -1435,8 +1667,12 @@ impl<'m> Engine<'m> {
         self.ctx.seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32);
         self.ctx.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
         if let Some(spec) = self.spec.as_mut() {
-            spec.seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32);
-            spec.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32));
+            let shifted = spec
+                .seq_rm(id as i32, n_keep as i32, (n_keep + n_discard) as i32)
+                .and_then(|()| spec.seq_add(id as i32, (n_keep + n_discard) as i32, n_tokens as i32, -(n_discard as i32)));
+            if drafter_log(shifted, id) {
+                slot.draft_stale = true;
+            }
         }
         slot.cache.drain(n_keep as usize..(n_keep + n_discard) as usize);
         // checkpoints past the kept head hold positions the shift moved
@@ -1472,10 +1708,6 @@ impl<'m> Engine<'m> {
         // the ones behind it.
         let mut waiting = VecDeque::new();
         while let Some(task) = self.pending.pop_front() {
-            if task.params.id_slot >= self.slots.len() as i32 {
-                let _ = task.events.send(Event::Error(ApiError::invalid("Invalid slot ID")));
-                continue;
-            }
             match self.pick_slot(&task) {
                 Some((id, update_cache)) => {
                     if update_cache {
@@ -1505,6 +1737,7 @@ impl<'m> Engine<'m> {
         let capacity = self.ctx.n_batch() as usize;
         // One batch decodes with one set of adapter scales; slots asking for others wait.
         let mut batch_lora: Option<Vec<f32>> = None;
+        let mut failed = Vec::new();
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             a.i_batch = None;
@@ -1521,15 +1754,25 @@ impl<'m> Engine<'m> {
                 let draft = match self.spec.as_mut().filter(|_| self.seq_rm != SeqRm::No) {
                     Some(spec) => {
                         let n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
-                        // a draft context that cannot cut drafted tokens back gets its state back instead
-                        let saved = (self.draft_seq_rm == SeqRm::WholeOnly && n_max > 0).then(|| spec.checkpoint(slot.id as i32, false)).flatten();
-                        let draft = if n_max > 0 { spec.draft(slot.id as i32, &slot.cache, t, n_max) } else { Vec::new() };
-                        if let Some(state) = saved {
-                            spec.restore(slot.id as i32, &state);
+                        let id = slot.id as i32;
+                        let drafted = (|| {
+                            // a draft context that cannot cut drafted tokens back gets its state back instead
+                            let saved = (self.draft_seq_rm == SeqRm::WholeOnly && n_max > 0).then(|| spec.checkpoint(id, false)).transpose()?;
+                            let draft = if n_max > 0 { spec.draft(id, &slot.cache, t, n_max)? } else { Vec::new() };
+                            if let Some(state) = saved {
+                                spec.restore(id, &state)?;
+                            }
+                            // Drafting decodes into the draft context; it gets this batch next, as the target does.
+                            spec.seq_rm(id, slot.cache.len() as i32, -1)?;
+                            Ok::<_, strata_ffi::FfiError>(draft)
+                        })();
+                        match drafted {
+                            Ok(d) => d,
+                            Err(e) => {
+                                failed.push((slot.id, e));
+                                continue;
+                            }
                         }
-                        // Drafting decodes into the draft context; it gets this batch next, as the target does.
-                        spec.seq_rm(slot.id as i32, slot.cache.len() as i32, -1);
-                        draft
                     }
                     None => Vec::new(),
                 };
@@ -1543,7 +1786,13 @@ impl<'m> Engine<'m> {
                 if needs_ckpt {
                     let id = slot.id as i32;
                     let (pos_min, pos_max) = (self.ctx.seq_pos_min(id), self.ctx.seq_pos_max(id));
-                    let spec_state = self.spec.as_mut().and_then(|s| s.checkpoint(id, true));
+                    let spec_state = match self.spec.as_mut().map(|s| s.checkpoint(id, true)).transpose() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            failed.push((slot.id, e));
+                            continue;
+                        }
+                    };
                     a.spec_ckpt = self.ctx.seq_state(id, StateScope::Partial).map(|tgt| Checkpoint {
                         n_tokens: slot.cache.len(),
                         pos_min,
@@ -1565,6 +1814,9 @@ impl<'m> Engine<'m> {
                 a.draft_i_batch = if draft.is_empty() { Vec::new() } else { (i0..=i0 + draft.len() as i32).collect() };
                 a.draft = draft;
             }
+        }
+        for (id, e) in failed {
+            self.fail_slot(id, e);
         }
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
@@ -1685,23 +1937,41 @@ impl<'m> Engine<'m> {
             Err(DecodeError::Aborted) => "Decoding was aborted.",
             Err(DecodeError::Fatal(_)) => "Compute error.",
             // The draft model (or MTP head) sees every target batch, prompts included.
-            Ok(()) if self.spec.as_mut().is_none_or(|spec| spec.process(&mut self.ctx, &self.batch)) => return true,
-            Ok(()) => {
-                srv_log(Verbosity::Error, "update_slots", "failed to process speculative batch");
-                "failed to process speculative batch"
-            }
+            Ok(()) => match self.spec.as_mut().map(|spec| spec.process(&mut self.ctx, &self.batch)) {
+                None | Some(Ok(())) => return true,
+                Some(Err(e)) => {
+                    srv_log(Verbosity::Error, "update_slots", &format!("failed to process speculative batch: {e}"));
+                    "failed to process speculative batch"
+                }
+            },
         };
         for id in 0..self.slots.len() {
             if let Some(a) = self.release(id) {
                 let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
                 self.ctx.seq_rm(id as i32, -1, -1);
                 if let Some(spec) = self.spec.as_mut() {
-                    spec.seq_rm(id as i32, -1, -1);
+                    drafter_log(spec.seq_rm(id as i32, -1, -1), id);
                 }
                 self.slots[id].forget();
             }
         }
         false
+    }
+
+    /// A llama.cpp call failed for one slot (an exception caught at the shim): its request
+    /// ends with the message and its sequence is dropped, as llama-server's slot loop does.
+    fn fail_slot(&mut self, id: usize, e: strata_ffi::FfiError) {
+        let err = exception(e);
+        let task = self.slots[id].active.as_ref().map_or(-1, |a| a.task.id as i64);
+        slot_log_at(Verbosity::Error, "operator()", id, task, &err.message);
+        if let Some(a) = self.release(id) {
+            let _ = a.task.events.send(Event::Error(err));
+        }
+        self.ctx.seq_rm(id as i32, -1, -1);
+        if let Some(spec) = self.spec.as_mut() {
+            drafter_log(spec.seq_rm(id as i32, -1, -1), id);
+        }
+        self.slots[id].forget();
     }
 
     /// Decodes again, in one batch, the accepted draft tokens that checkpoint restores dropped.
@@ -1738,12 +2008,21 @@ impl<'m> Engine<'m> {
             Some(spec) => spec.accept_synth(id as i32, &mut a.sampler, &mut self.ctx, &idxs, &draft),
             None => a.sampler.sample_and_accept_n(&mut self.ctx, &idxs, &draft),
         };
-        let n_accepted = accepted.len().saturating_sub(1);
+        let n_accepted = accepted.as_ref().map_or(0, |a| a.len().saturating_sub(1));
+        let accepted = match accepted.and_then(|acc| match self.spec.as_mut() {
+            Some(spec) => spec.accept(id as i32, n_accepted as u16).map(|()| acc),
+            None => Ok(acc),
+        }) {
+            Ok(acc) => acc,
+            Err(e) => {
+                self.fail_slot(id, e);
+                return;
+            }
+        };
+        let slot = &mut self.slots[id];
+        let a = slot.active.as_mut().expect("a drafting slot is active");
         a.n_draft_accepted += n_accepted;
         a.n_draft_steps += 1;
-        if let Some(spec) = self.spec.as_mut() {
-            spec.accept(id as i32, n_accepted as u16);
-        }
         // The cache holds the sampled token and the whole draft; keep the accepted part.
         let keep = slot.cache.len() - draft.len() + n_accepted;
         let n_rollback = draft.len() - n_accepted;
@@ -1760,10 +2039,10 @@ impl<'m> Engine<'m> {
                 self.ctx.set_seq_state(id as i32, &c.tgt, StateScope::Partial);
                 self.ctx.seq_rm(id as i32, c.n_tokens as i32, -1);
                 if let Some(spec) = self.spec.as_mut() {
-                    if let Some(data) = &c.spec {
-                        spec.restore(id as i32, data);
+                    let restored = c.spec.as_ref().map_or(Ok(()), |data| spec.restore(id as i32, data));
+                    if drafter_log(restored.and_then(|()| spec.seq_rm(id as i32, c.n_tokens as i32, -1)), id) {
+                        slot.draft_stale = true;
                     }
-                    spec.seq_rm(id as i32, c.n_tokens as i32, -1);
                 }
                 self.replays.push((id, slot.cache[c.n_tokens..keep].to_vec()));
                 slot.cache.truncate(c.n_tokens);
@@ -1772,7 +2051,9 @@ impl<'m> Engine<'m> {
                 slot.cache.truncate(keep);
                 self.ctx.seq_rm(id as i32, keep as i32, -1);
                 if let Some(spec) = self.spec.as_mut() {
-                    spec.seq_rm(id as i32, keep as i32, -1);
+                    if drafter_log(spec.seq_rm(id as i32, keep as i32, -1), id) {
+                        slot.draft_stale = true;
+                    }
                 }
             }
         }
@@ -1786,15 +2067,18 @@ impl<'m> Engine<'m> {
     fn sample(&mut self, id: usize, i: i32) {
         let slot = &mut self.slots[id];
         let a = slot.active.as_mut().unwrap();
-        if a.t_gen.is_none() {
+        let begun = match self.spec.as_mut().filter(|_| a.t_gen.is_none()) {
             // the prompt is in the context now: drafters that follow the target start from it
-            if let Some(spec) = self.spec.as_mut() {
-                spec.begin(id as i32, &slot.cache);
+            Some(spec) => spec.begin(id as i32, &slot.cache),
+            None => Ok(()),
+        };
+        let sampled = begun.and_then(|()| a.sampler.sample(&mut self.ctx, i)).and_then(|t| a.sampler.accept(t, true).map(|()| t));
+        match sampled {
+            Ok(token) => {
+                self.emit(id, token, i);
             }
+            Err(e) => self.fail_slot(id, e),
         }
-        let token = a.sampler.sample(&mut self.ctx, i);
-        a.sampler.accept(token, true);
-        self.emit(id, token, i);
     }
 
     /// Accounts for one generated token (sampled from batch output `i`): stop conditions,
@@ -1818,9 +2102,9 @@ impl<'m> Engine<'m> {
         let is_eog = vocab.is_eog(token) && !a.task.params.ignore_eos;
         let piece = vocab.token_to_piece(token, false);
         let probs = (a.task.params.n_probs > 0).then(|| {
-            let n = a.task.params.n_probs;
+            let n = a.task.params.n_probs.min(vocab.n_tokens() as usize);
             let (prob, ranked) = if a.task.params.post_sampling_probs {
-                a.sampler.candidates(token, n)
+                a.sampler.candidates(token, n).unwrap_or_default()
             } else {
                 softmax_top(self.ctx.logits_ith(i).unwrap_or(&[]), n, token)
             };
@@ -1916,7 +2200,12 @@ impl<'m> Engine<'m> {
             has_new_line: a.gen.has_new_line,
             timings,
             probs: if stream { Vec::new() } else { a.probs },
+            settings: a.settings.clone().unwrap_or_default(),
         };
+        if let (Err(e), true) = (&a.settings, a.task.params.settings_in_answer) {
+            let _ = a.task.events.send(Event::Error(ApiError::server(e.clone())));
+            return false;
+        }
         let _ = a.task.events.send(Event::Final(Box::new(fin)));
         false
     }

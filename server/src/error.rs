@@ -49,6 +49,15 @@ impl ApiError {
         Self::new(ErrorType::Server, message)
     }
 
+    /// A llama.cpp failure as llama-server reports it: input it refused (std::invalid_argument,
+    /// a JSON error) is a 400, anything else a 500.
+    pub fn from_llama(e: strata_ffi::FfiError) -> Self {
+        match e {
+            strata_ffi::FfiError::BadInput(m) => Self::invalid(m),
+            other => Self::server(other.to_string()),
+        }
+    }
+
     pub fn with(mut self, key: &str, value: impl Into<serde_json::Value>) -> Self {
         self.extra.insert(key.to_string(), value.into());
         self

@@ -1,6 +1,7 @@
 //! HTTP routes. Handlers never touch llama.cpp: they validate, then ask the engine.
 
 use axum::body::Bytes;
+use axum::extract::DefaultBodyLimit;
 use axum::extract::State as AxState;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +20,7 @@ use axum::middleware::Next;
 use tokio::sync::mpsc;
 
 use crate::info::{self, origin_is_localhost, ServerInfo};
-use crate::{anthropic, oai, responses};
+use crate::{anthropic, oai, request, responses};
 
 use crate::engine::{EngineHandle, Event, Final, Partial, SlotAction, State, TaskParams, Timings, TokenProbs};
 use crate::error::{ApiError, ErrorType};
@@ -34,11 +35,15 @@ const SAMPLING_RENAMES: &[(&str, &str)] = &[
     ("presence_penalty", "penalty_present"),
 ];
 
+/// The schema's normalized fields that go to the sampler under their own names.
 const SAMPLING_FIELDS: &[&str] = &[
     "seed", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability", "xtc_threshold",
     "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length",
-    "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "top_n_sigma", "ignore_eos",
-    "grammar", "grammar_type", "grammar_lazy", "grammar_triggers", "generation_prompt",
+    "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay",
+    "top_n_sigma", "ignore_eos", "grammar", "grammar_type", "grammar_lazy", "grammar_triggers",
+    "preserved_tokens", "logit_bias", "generation_prompt", "backend_sampling", "dry_sequence_breakers",
+    "samplers", "reasoning_budget_tokens", "reasoning_budget_start", "reasoning_budget_end",
+    "reasoning_budget_forced", "reasoning_control",
 ];
 
 #[derive(Clone)]
@@ -100,6 +105,10 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
         .route("/v1/rerank", post(crate::embeddings::rerank))
         .route("/v1/reranking", post(crate::embeddings::rerank))
         .route("/detokenize", post(detokenize))
+        .route("/v1/chat/completions/control", post(oai::control))
+        .route("/v1/audio/transcriptions", post(transcriptions))
+        .route("/audio/transcriptions", post(transcriptions))
+        .route("/v1/systemone", post(systemone))
         .with_state(app.clone())
         .merge(crate::streams::routes())
         .merge(extra);
@@ -112,6 +121,9 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::g
     };
     routes
         .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn(buffer_body))
         .layer(axum::middleware::from_fn_with_state(crate::ui::Ui::new(&app.info), crate::ui::serve))
         .layer(axum::middleware::from_fn_with_state(Gate { info: app.info.clone(), engine: Some(app.engine.clone()) }, gate))
         .layer(axum::middleware::map_response(server_header))
@@ -223,15 +235,6 @@ pub async fn server_header(mut res: Response) -> Response {
     res
 }
 
-/// `[{"id": N, "scale": S}, ...]` as llama-server's parse_lora_request reads it (id -1 and scale
-/// 0 when missing).
-fn lora_list(entries: &[Value]) -> Vec<(i64, f32)> {
-    entries
-        .iter()
-        .map(|e| (e.get("id").and_then(Value::as_i64).unwrap_or(-1), e.get("scale").and_then(Value::as_f64).unwrap_or(0.0) as f32))
-        .collect()
-}
-
 async fn lora_adapters(AxState(app): AxState<App>) -> Json<Value> {
     let list = app.engine.lora_adapters();
     Json(Value::Array(
@@ -251,16 +254,44 @@ async fn lora_adapters(AxState(app): AxState<App>) -> Json<Value> {
 
 /// Sets the scales tasks without their own `lora` field use; unlisted adapters get 0.
 async fn set_lora_adapters(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let body: Value = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(e.to_string()))?;
-    let Value::Array(entries) = body else {
+    let Value::Array(entries) = parse_json(&body).map_err(ApiError::invalid)? else {
         return Err(ApiError::invalid("Request body must be an array"));
     };
-    app.engine.set_lora_scales(&lora_list(&entries));
+    app.engine.set_lora_scales(&request::parse_lora(&entries));
     Ok(Json(json!({"success": true})))
 }
 
+/// A wrong method on a known route is "not found" too, as cpp-httplib routes by method and path.
 pub async fn not_found() -> ApiError {
     ApiError::new(ErrorType::NotFound, "File Not Found")
+}
+
+/// The largest request body, as llama-server's (cpp-httplib's CPPHTTPLIB_PAYLOAD_MAX_LENGTH).
+pub const BODY_LIMIT: usize = 100 * 1024 * 1024;
+
+/// Reads the whole body before routing, as cpp-httplib does: a body over the limit gets 413 and
+/// a body that cannot be read (bad chunked framing, a client gone) 400, both without content.
+pub async fn buffer_body(req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    match axum::body::to_bytes(body, BODY_LIMIT).await {
+        Ok(bytes) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Err(e) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            let status = if too_large { StatusCode::PAYLOAD_TOO_LARGE } else { StatusCode::BAD_REQUEST };
+            status.into_response()
+        }
+    }
+}
+
+/// Audio input needs a multimodal projector with audio, which strata-server does not load.
+async fn transcriptions() -> ApiError {
+    ApiError::new(ErrorType::NotSupported, "The current model does not support audio input.")
+}
+
+/// strata-server serves no decision models (llama.cpp's SystemOne heads).
+async fn systemone() -> ApiError {
+    ApiError::new(ErrorType::NotSupported, "This model is not a decision model")
 }
 
 /// Loading is answered by the gate, as llama-server's middleware does; a failed load exits.
@@ -268,30 +299,54 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-pub fn parse_body(body: &Bytes) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(ApiError::invalid("request body must be a JSON object")),
-        Err(e) => Err(ApiError::invalid(format!("invalid JSON in request body: {e}"))),
+/// A request body as llama-server reads it: any JSON value. Lookups in a non-object find
+/// nothing (the JSON library's `contains`), and [`Body::at`] fails with the library's message.
+pub struct Body {
+    map: Map<String, Value>,
+    /// The JSON library's name for the top-level value's type.
+    kind: &'static str,
+}
+
+impl std::ops::Deref for Body {
+    type Target = Map<String, Value>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
     }
 }
 
-fn int_field(body: &Map<String, Value>, key: &str, default: i64) -> Result<i64, ApiError> {
-    match body.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v.as_i64().ok_or_else(|| ApiError::invalid(format!("\"{key}\" must be an integer"))),
+impl std::ops::DerefMut for Body {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.map
     }
 }
 
-fn stop_strings(body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    match body.get("stop") {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| v.as_str().map(String::from).ok_or_else(|| ApiError::invalid("\"stop\" must be a string or an array of strings")))
-            .collect(),
-        Some(_) => Err(ApiError::invalid("\"stop\" must be a string or an array of strings")),
+impl Body {
+    /// `body.at(key)`: the value, or llama.cpp's JSON error for a missing key or a body that
+    /// is no object.
+    pub fn at(&self, key: &str) -> Result<&Value, ApiError> {
+        if self.kind != "object" {
+            return Err(ApiError::invalid(format!("[json.exception.type_error.304] cannot use at() with {}", self.kind)));
+        }
+        self.map.get(key).ok_or_else(|| ApiError::invalid(format!("[json.exception.out_of_range.403] key '{key}' not found")))
+    }
+
+    pub fn into_map(self) -> Map<String, Value> {
+        self.map
+    }
+}
+
+/// Parses JSON as llama-server does: a leading UTF-8 byte order mark is skipped, and text its
+/// parser refuses gets that parser's message (a 400 there).
+pub fn parse_json(bytes: &[u8]) -> Result<Value, String> {
+    let data = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    serde_json::from_slice::<Value>(data).map_err(|e| strata_ffi::json_parse_error(bytes).unwrap_or_else(|| e.to_string()))
+}
+
+/// A request body, parsed as [`parse_json`] does.
+pub fn parse_body(bytes: &Bytes) -> Result<Body, ApiError> {
+    match parse_json(bytes).map_err(ApiError::invalid)? {
+        Value::Object(map) => Ok(Body { map, kind: "object" }),
+        other => Ok(Body { map: Map::new(), kind: request::type_name(&other) }),
     }
 }
 
@@ -308,117 +363,79 @@ fn message_delimiters(list: Option<&Value>, vocab: Vocab<'_>) -> Vec<(bool, Vec<
         .collect()
 }
 
-/// The request's fields for one task. `vocab` resolves logit_bias entries given as text,
-/// `eog` (the model's end-of-generation tokens) is banned when ignore_eos is set, as upstream,
-/// and `n_keep_default` is the server's --keep.
-pub fn task_params(body: &Map<String, Value>, vocab: Option<Vocab<'_>>, eog: &[Token], n_keep_default: i64) -> Result<TaskParams, ApiError> {
-    let n_predict = match body.get("n_predict") {
-        Some(v) if !v.is_null() => int_field(body, "n_predict", -1)?,
-        _ => int_field(body, "max_tokens", -1)?,
+/// The request's fields for one task, evaluated by llama-server's schema (crate::request): a
+/// wrong type or a value past a hard limit is a 400 naming the field, as upstream answers.
+pub fn task_params(app: &App, model: &Model, body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
+    let eog = app.eog(model);
+    let schema_to_grammar = |s: &Value| strata_ffi::json_schema_to_grammar(s).map_err(|e| e.to_string());
+    let check_chat_parser = |p: &str| strata_ffi::check_chat_parser(p).map_err(|e| e.to_string());
+    let ctx = request::Context {
+        vocab: Some(model.vocab()),
+        eog: &eog,
+        n_parallel: app.info.n_parallel as i32,
+        dry_base_default: app.info.sampling.get("dry_base").and_then(Value::as_f64).unwrap_or(1.75) as f32,
+        schema_to_grammar: &schema_to_grammar,
+        check_chat_parser: &check_chat_parser,
     };
+    let fields = request::eval(body, &ctx)?;
+    let mut params = params_from_fields(&fields, body, Some(model.vocab()), app.info.n_keep);
+    if params.reasoning_format.is_empty() {
+        params.reasoning_format = app.info.reasoning_format.clone();
+    }
+    // copies of a prompt offset the seed, the server's own when the request gives none
+    if params.n_cmpl > 1 && params.sampling.get("seed").is_none() {
+        params.sampling["seed"] = app.info.sampling.get("seed").cloned().unwrap_or(Value::Null);
+    }
+    Ok(params)
+}
+
+/// TaskParams from the schema's normalized `fields`; an absent field keeps the server's default
+/// (`n_keep_default` is --keep). `body` holds what the schema does not cover (id_slot, the chat
+/// template's message_delimiters).
+pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>, vocab: Option<Vocab<'_>>, n_keep_default: i64) -> TaskParams {
+    let int = |k: &str, default: i64| fields.get(k).and_then(Value::as_i64).unwrap_or(default);
+    let flag = |k: &str, default: bool| fields.get(k).and_then(Value::as_bool).unwrap_or(default);
     let mut sampling = Map::new();
     for &f in SAMPLING_FIELDS {
-        if let Some(v) = body.get(f) {
+        if let Some(v) = fields.get(f) {
             sampling.insert(f.to_string(), v.clone());
         }
     }
     for &(from, to) in SAMPLING_RENAMES {
-        if let Some(v) = body.get(from) {
+        if let Some(v) = fields.get(from) {
             sampling.insert(to.to_string(), v.clone());
         }
     }
-    let ignore_eos = flag(body, "ignore_eos", false);
-    let mut bias = vocab.map(|v| logit_bias(body.get("logit_bias"), v)).unwrap_or_default();
-    if ignore_eos {
-        bias.extend(eog.iter().map(|&t| json!([t, false])));
-    }
-    if !bias.is_empty() {
-        sampling.insert("logit_bias".into(), Value::Array(bias));
-    }
-    Ok(TaskParams {
+    let lora = fields.get("lora").and_then(Value::as_array).map(|entries| {
+        entries.iter().map(|e| (e["id"].as_i64().unwrap_or(-1), e["scale"].as_f64().unwrap_or(0.0) as f32)).collect()
+    });
+    let stop = fields.get("stop").and_then(Value::as_array).map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect());
+    TaskParams {
         kind: crate::engine::TaskKind::Completion,
         message_delimiters: vocab.map(|v| message_delimiters(body.get("message_delimiters"), v)).unwrap_or_default(),
-        lora: match body.get("lora") {
-            None | Some(Value::Null) => None,
-            Some(Value::Array(entries)) => Some(lora_list(entries)),
-            Some(_) => {
-                return Err(ApiError::invalid("Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"))
-            }
-        },
-        n_predict: n_predict.clamp(-1, i32::MAX as i64) as i32,
-        stop: stop_strings(body)?,
-        stream: flag(body, "stream", false),
-        cache_prompt: flag(body, "cache_prompt", true),
-        id_slot: int_field(body, "id_slot", -1)? as i32,
-        return_tokens: flag(body, "return_tokens", false),
-        ignore_eos,
-        t_max_predict_ms: int_field(body, "t_max_predict_ms", -1)?,
-        n_keep: int_field(body, "n_keep", n_keep_default)? as i32,
-        n_discard: int_field(body, "n_discard", 0)? as i32,
-        n_cache_reuse: match body.get("n_cache_reuse") {
-            None | Some(Value::Null) => -1,
-            Some(_) => match int_field(body, "n_cache_reuse", 0)? {
-                v if (0..=i32::MAX as i64).contains(&v) => v as i32,
-                v => {
-                    let msg = format!("Field 'n_cache_reuse': Value must be between 0 <= value <= {}, but got {v}", i32::MAX);
-                    return Err(ApiError::invalid(msg));
-                }
-            },
-        },
-        n_probs: match body.get("n_probs") {
-            Some(v) if !v.is_null() => int_field(body, "n_probs", 0)?,
-            _ => body.get("logprobs").and_then(Value::as_i64).unwrap_or(0),
-        }
-        .max(0) as usize,
-        post_sampling_probs: flag(body, "post_sampling_probs", false),
-        timings_per_token: flag(body, "timings_per_token", false),
-        return_progress: flag(body, "return_progress", false),
+        lora,
+        n_predict: int("n_predict", -1) as i32,
+        stop: stop.unwrap_or_default(),
+        stream: flag("stream", false),
+        cache_prompt: flag("cache_prompt", true),
+        id_slot: request::lenient(body, "id_slot", request::get_i32, -1),
+        cmpl_id: String::new(),
+        n_cmpl: int("n_cmpl", 1).max(1) as usize,
+        chat_format: int("chat_format", 0) as i32,
+        settings_in_answer: false,
+        reasoning_format: fields.get("reasoning_format").and_then(Value::as_str).unwrap_or_default().to_string(),
+        return_tokens: flag("return_tokens", false),
+        ignore_eos: flag("ignore_eos", false),
+        t_max_predict_ms: int("t_max_predict_ms", -1),
+        n_keep: int("n_keep", n_keep_default) as i32,
+        n_discard: int("n_discard", 0) as i32,
+        n_cache_reuse: int("n_cache_reuse", -1) as i32,
+        n_probs: int("n_probs", 0).max(0) as usize,
+        post_sampling_probs: flag("post_sampling_probs", false),
+        timings_per_token: flag("timings_per_token", false),
+        return_progress: flag("return_progress", false),
         sampling: Value::Object(sampling),
-    })
-}
-
-/// llama-server's logit_bias: [[token or text, bias], ...] or {"token or text": bias}; a bias
-/// of false bans the token; text means each of its tokens; out-of-range ids are dropped.
-fn logit_bias(v: Option<&Value>, vocab: Vocab<'_>) -> Vec<Value> {
-    let n_vocab = vocab.n_tokens();
-    let bias_of = |b: &Value| match b {
-        Value::Number(n) => n.as_f64().map(|f| json!(f)),
-        Value::Bool(false) => Some(json!(false)),
-        _ => None,
-    };
-    let mut out = Vec::new();
-    let mut add = |key: &Value, b: &Value| {
-        let Some(b) = bias_of(b) else { return };
-        let tokens = match key {
-            Value::Number(n) => n.as_i64().map(|t| vec![t as Token]).unwrap_or_default(),
-            Value::String(s) => match s.parse::<Token>() {
-                Ok(t) => vec![t],
-                Err(_) => vocab.tokenize(s, false, false).unwrap_or_default(),
-            },
-            _ => Vec::new(),
-        };
-        for t in tokens.into_iter().filter(|&t| (0..n_vocab).contains(&t)) {
-            out.push(json!([t, b.clone()]));
-        }
-    };
-    match v {
-        Some(Value::Array(items)) => {
-            for el in items {
-                if let Some([k, b]) = el.as_array().map(Vec::as_slice) {
-                    if k.is_string() || k.is_i64() {
-                        add(k, b);
-                    }
-                }
-            }
-        }
-        Some(Value::Object(m)) => {
-            for (k, b) in m {
-                add(&Value::String(k.clone()), b);
-            }
-        }
-        _ => {}
     }
-    out
 }
 
 pub fn timings_json(t: &Timings) -> Value {
@@ -501,73 +518,6 @@ pub fn add_progress(v: &mut Value, p: &Partial) {
     }
 }
 
-/// (name in llama-server's generation_settings, name in common_params_sampling)
-const SETTINGS: &[(&str, &str)] = &[
-    ("seed", "seed"),
-    ("temperature", "temp"),
-    ("dynatemp_range", "dynatemp_range"),
-    ("dynatemp_exponent", "dynatemp_exponent"),
-    ("top_k", "top_k"),
-    ("top_p", "top_p"),
-    ("min_p", "min_p"),
-    ("top_n_sigma", "top_n_sigma"),
-    ("xtc_probability", "xtc_probability"),
-    ("xtc_threshold", "xtc_threshold"),
-    ("typical_p", "typ_p"),
-    ("repeat_last_n", "penalty_last_n"),
-    ("repeat_penalty", "penalty_repeat"),
-    ("presence_penalty", "penalty_present"),
-    ("frequency_penalty", "penalty_freq"),
-    ("dry_multiplier", "dry_multiplier"),
-    ("dry_base", "dry_base"),
-    ("dry_allowed_length", "dry_allowed_length"),
-    ("dry_penalty_last_n", "dry_penalty_last_n"),
-    ("mirostat", "mirostat"),
-    ("mirostat_tau", "mirostat_tau"),
-    ("mirostat_eta", "mirostat_eta"),
-    ("adaptive_target", "adaptive_target"),
-    ("adaptive_decay", "adaptive_decay"),
-];
-
-/// llama-server's generation_settings: the server's sampling defaults with this request's
-/// overrides, under the names and in the order llama-server reports them.
-pub fn generation_settings(defaults: &Value, p: &TaskParams) -> Value {
-    let field = |f: &str| p.sampling.get(f).or_else(|| defaults.get(f)).cloned().unwrap_or(Value::Null);
-    let mut out = Map::new();
-    for &(name, f) in SETTINGS {
-        out.insert(name.into(), field(f));
-    }
-    let logit_bias: Vec<Value> = p
-        .sampling
-        .get("logit_bias")
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .map(|e| json!({"bias": if e[1] == json!(false) { Value::Null } else { e[1].clone() }, "token": e[0]}))
-                .collect()
-        })
-        .unwrap_or_default();
-    for (k, v) in [
-        ("stop", json!(p.stop)),
-        ("max_tokens", json!(p.n_predict)),
-        ("n_predict", json!(p.n_predict)),
-        ("n_keep", json!(p.n_keep)),
-        ("n_discard", json!(p.n_discard)),
-        ("ignore_eos", json!(p.ignore_eos)),
-        ("stream", json!(p.stream)),
-        ("logit_bias", Value::Array(logit_bias)),
-        ("n_probs", json!(p.n_probs)),
-        ("min_keep", field("min_keep")),
-        ("grammar", field("grammar")),
-        ("grammar_lazy", p.sampling.get("grammar_lazy").cloned().unwrap_or(json!(false))),
-        ("timings_per_token", json!(p.timings_per_token)),
-        ("post_sampling_probs", json!(p.post_sampling_probs)),
-    ] {
-        out.insert(k.into(), v);
-    }
-    Value::Object(out)
-}
-
 /// Keeps only the named fields ("a/b" reaches into objects), keyed by their paths, as
 /// llama-server's response_fields.
 fn select_fields(v: Value, fields: &[String]) -> Value {
@@ -594,7 +544,7 @@ pub fn final_json(f: &Final, model: &str, prompt: &str) -> Value {
         "model": model,
         "tokens_predicted": f.n_decoded,
         "tokens_evaluated": f.n_prompt,
-        "generation_settings": Value::Null,
+        "generation_settings": *f.settings,
         "prompt": prompt,
         "has_new_line": f.has_new_line,
         "truncated": f.truncated,
@@ -695,26 +645,11 @@ pub async fn stream_response(
 
 /// Every prompt of a request: a string, tokens, mixed strings and tokens, a
 /// `{"prompt_string": ...}` object, or an array of those (llama-server's tokenize_input_prompts).
+/// Every refusal is a 400, as in llama-server's completion handler.
 pub fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Token>>, ApiError> {
-    let is_multi = matches!(prompt, Value::Array(items) if !items.iter().any(Value::is_i64));
-    let one = |p: &Value| -> Result<Vec<Token>, ApiError> {
-        match p {
-            Value::String(_) | Value::Array(_) => tokenize_mixed(vocab, p, true, true),
-            Value::Object(o) if o.contains_key("prompt_string") => {
-                if o.contains_key("multimodal_data") {
-                    return Err(ApiError::server("Multimodal data provided, but model does not support multimodal requests."));
-                }
-                tokenize_mixed(vocab, &o["prompt_string"], true, true)
-            }
-            _ => Err(ApiError::invalid(
-                "\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a list of mixed strings & tokens.",
-            )),
-        }
-    };
-    let prompts = if is_multi {
-        prompt.as_array().unwrap().iter().map(one).collect::<Result<Vec<_>, _>>()?
-    } else {
-        vec![one(prompt)?]
+    let prompts = match prompt {
+        Value::Array(items) if !items.iter().any(is_integer) => items.iter().map(|p| subprompt(vocab, p)).collect::<Result<Vec<_>, _>>()?,
+        _ => vec![subprompt(vocab, prompt)?],
     };
     if prompts.is_empty() {
         return Err(ApiError::invalid("\"prompt\" must not be empty"));
@@ -722,23 +657,51 @@ pub fn tokenize_prompts(vocab: Vocab<'_>, prompt: &Value) -> Result<Vec<Vec<Toke
     Ok(prompts)
 }
 
+/// The JSON library's is_number_integer: an integer, not a float.
+fn is_integer(v: &Value) -> bool {
+    v.is_i64() || v.is_u64()
+}
+
+/// One prompt (llama-server's tokenize_input_subprompt).
+fn subprompt(vocab: Vocab<'_>, p: &Value) -> Result<Vec<Token>, ApiError> {
+    let items = p.as_array().map(Vec::as_slice).unwrap_or_default();
+    let mixed = items.iter().any(Value::is_string) && items.iter().any(is_integer);
+    if p.is_string() || mixed {
+        return tokenize_mixed(vocab, p, true, true);
+    }
+    if p.is_array() && items.iter().all(is_integer) {
+        return items.iter().map(|t| request::get_i32(t).map_err(ApiError::invalid)).collect();
+    }
+    match p.as_object() {
+        Some(o) if o.contains_key("prompt_string") => {
+            if o.contains_key("multimodal_data") {
+                return Err(ApiError::invalid("Multimodal data provided, but model does not support multimodal requests."));
+            }
+            tokenize_mixed(vocab, &o["prompt_string"], true, true)
+        }
+        _ => Err(ApiError::invalid(
+            "\"prompt\" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a list of mixed strings & tokens.",
+        )),
+    }
+}
+
 async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
-    let prompt_value = body.get("prompt").ok_or_else(|| ApiError::invalid("\"prompt\" is required"))?;
-    let prompts = tokenize_prompts(model.vocab(), prompt_value)?;
+    let prompts = tokenize_prompts(model.vocab(), body.at("prompt")?)?;
     run_completion(&app, model, &body, prompts).await
 }
 
 /// Runs prompts as llama-server's own (non-OpenAI) completion and answers in its format.
 pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Value>, prompts: Vec<Vec<Token>>) -> Result<Response, ApiError> {
-    let params = task_params(body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
+    let mut params = task_params(app, &model, body)?;
+    params.settings_in_answer = true;
     let stream = params.stream;
-    let n = prompts.len();
+    let n_cmpl = params.n_cmpl;
+    let n = prompts.len() * n_cmpl;
     let alias = app.engine.model_alias().to_string();
     let rx = app.engine.submit(prompts.clone(), params.clone())?;
     let post = params.post_sampling_probs;
-    let settings = generation_settings(&app.info.sampling, &params);
     let fields: Vec<String> = body
         .get("response_fields")
         .and_then(Value::as_array)
@@ -748,9 +711,9 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
         Event::Partial(p) => vec![partial_json(p, post)],
         Event::Final(f) => {
             // The prompt text is only in non-streamed answers, as llama-server does.
-            let prompt = if stream { String::new() } else { model.vocab().detokenize(&prompts[f.index], false, true) };
-            let mut v = final_json_with_probs(f, &alias, &prompt, post);
-            v["generation_settings"] = settings.clone();
+            // the engine has checked the prompt's token ids by now
+            let prompt = if stream { String::new() } else { model.vocab().detokenize(&prompts[f.index / n_cmpl], false, true).unwrap_or_default() };
+            let v = final_json_with_probs(f, &alias, &prompt, post);
             vec![select_fields(v, &fields)]
         }
         Event::Embedding(_) => Vec::new(),
@@ -800,10 +763,18 @@ async fn models(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
 async fn props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
     let model = loaded_model(&app.engine)?;
     let vocab = model.vocab();
-    let piece = |t| String::from_utf8_lossy(&vocab.token_to_piece(t, true)).into_owned();
-    let template = model.meta("tokenizer.chat_template").unwrap_or_default();
+    let piece = |t| if t == -1 { String::new() } else { String::from_utf8_lossy(&vocab.token_to_piece(t, true)).into_owned() };
+    let tmpls = oai::chat_templates(&app, &model)?;
+    let m = info::ModelProps {
+        ftype: model.ftype_name(),
+        chat_template: tmpls.source("").map_err(ApiError::from_llama)?,
+        chat_template_tool_use: tmpls.source("tool_use").map_err(ApiError::from_llama)?,
+        chat_template_caps: tmpls.caps().map_err(ApiError::from_llama)?,
+        bos: piece(vocab.bos()),
+        eos: piece(vocab.eos()),
+    };
     let sleeping = app.engine.is_sleeping();
-    Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &template, &piece(vocab.bos()), &piece(vocab.eos()), sleeping)))
+    Ok(Json(info::props(&app.info, app.engine.n_ctx_slot(), &m, app.engine.default_settings(), sleeping)))
 }
 
 async fn slot_action(
@@ -815,11 +786,11 @@ async fn slot_action(
     if app.info.slot_save_path.is_empty() {
         return Err(ApiError::new(ErrorType::NotSupported, "This server does not support slots action. Start it with `--slot-save-path`"));
     }
-    let id: usize = id_slot.parse().map_err(|_| ApiError::invalid("Invalid slot ID"))?;
+    let id = request::stoi(&id_slot).ok_or_else(|| ApiError::invalid("Invalid slot ID"))?;
     let action = q.get("action").map(String::as_str).unwrap_or("");
     let file = || -> Result<(String, std::path::PathBuf), ApiError> {
         let body = parse_body(&body)?;
-        let name = body.get("filename").and_then(Value::as_str).ok_or_else(|| ApiError::invalid("\"filename\" is required"))?;
+        let name = request::get_str(body.at("filename")?).map_err(ApiError::invalid)?;
         if !strata_ffi::validate_filename(name) {
             return Err(ApiError::invalid("Invalid filename"));
         }
@@ -858,18 +829,17 @@ async fn post_props(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError>
     Ok(Json(json!({"success": true})))
 }
 
-async fn slots(AxState(app): AxState<App>) -> Result<Json<Value>, ApiError> {
+async fn slots(
+    AxState(app): AxState<App>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     if !app.info.endpoint_slots {
         return Err(ApiError::new(ErrorType::NotSupported, "This server does not support slots endpoint. Start it with `--slots`"));
     }
-    let n_ctx = app.engine.n_ctx_slot();
-    let slots: Vec<Value> = app
-        .engine
-        .slots_busy()
-        .iter()
-        .enumerate()
-        .map(|(id, &busy)| json!({"id": id, "n_ctx": n_ctx, "speculative": app.info.speculative, "is_processing": busy}))
-        .collect();
+    let (slots, n_idle) = app.engine.slots().await?;
+    if q.get("fail_on_no_slot").is_some_and(|v| !v.is_empty()) && n_idle == 0 {
+        return Err(ApiError::new(ErrorType::Unavailable, "no slot available"));
+    }
     Ok(Json(Value::Array(slots)))
 }
 
@@ -877,34 +847,36 @@ pub fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
     engine.model().ok_or_else(|| ApiError::new(ErrorType::Unavailable, "Loading model"))
 }
 
-fn flag(body: &Map<String, Value>, key: &str, default: bool) -> bool {
-    body.get(key).and_then(Value::as_bool).unwrap_or(default)
-}
 
 /// A prompt given as a string, or an array mixing strings and token ids; only a leading string
-/// gets the special (BOS) tokens, as in llama-server's tokenize_mixed.
+/// gets the special (BOS) tokens, as in llama-server's tokenize_mixed. Ids convert as the JSON
+/// library converts them (a float truncates); anything else is its type error.
 pub fn tokenize_mixed(vocab: Vocab<'_>, prompt: &Value, add_special: bool, parse_special: bool) -> Result<Vec<Token>, ApiError> {
     let text = |s: &str, special: bool| vocab.tokenize(s, special, parse_special).map_err(|e| ApiError::invalid(e.to_string()));
     match prompt {
-        Value::String(s) => text(s, add_special),
         Value::Array(items) => {
             let mut out = Vec::new();
             for (i, item) in items.iter().enumerate() {
                 match item {
                     Value::String(s) => out.extend(text(s, add_special && i == 0)?),
-                    v => out.push(token_id(v)?),
+                    v => out.push(request::get_i32(v).map_err(ApiError::invalid)?),
                 }
             }
             Ok(out)
         }
-        _ => Err(ApiError::invalid("\"content\" must be a string or an array")),
+        v => text(request::get_str(v).map_err(ApiError::invalid)?, add_special),
     }
 }
 
-fn token_id(v: &Value) -> Result<Token, ApiError> {
-    v.as_i64()
-        .and_then(|t| Token::try_from(t).ok())
-        .ok_or_else(|| ApiError::invalid(format!("invalid token id: {v}")))
+/// llama-server's json_value for a boolean: a missing, null or mistyped field is the default.
+fn flag(body: &Map<String, Value>, key: &str, default: bool) -> bool {
+    request::lenient(body, key, request::get_bool, default)
+}
+
+/// A token's text as llama-server's `common_token_to_piece` gives it; an id outside the
+/// vocabulary is llama.cpp's exception, a 500 there.
+fn piece(vocab: Vocab<'_>, t: Token) -> Result<Vec<u8>, ApiError> {
+    vocab.try_token_to_piece(t, true).map_err(ApiError::from_llama)
 }
 
 async fn tokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
@@ -919,17 +891,14 @@ async fn tokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> Res
     if !flag(&body, "with_pieces", false) {
         return Ok(Json(json!({"tokens": tokens})));
     }
-    let pieces: Vec<Value> = tokens
-        .iter()
-        .map(|&t| {
-            let bytes = vocab.token_to_piece(t, true);
-            let piece = match String::from_utf8(bytes) {
-                Ok(s) => Value::from(s),
-                Err(e) => Value::from(e.into_bytes()),
-            };
-            json!({"id": t, "piece": piece})
-        })
-        .collect();
+    let mut pieces = Vec::with_capacity(tokens.len());
+    for &t in &tokens {
+        let piece = match String::from_utf8(piece(vocab, t)?) {
+            Ok(s) => Value::from(s),
+            Err(e) => Value::from(e.into_bytes()),
+        };
+        pieces.push(json!({"id": t, "piece": piece}));
+    }
     Ok(Json(json!({"tokens": pieces})))
 }
 
@@ -939,15 +908,13 @@ async fn detokenize(AxState(App { engine, .. }): AxState<App>, body: Bytes) -> R
     let model = loaded_model(&engine)?;
     let tokens: Vec<Token> = match body.get("tokens") {
         None => Vec::new(),
-        Some(Value::Array(items)) => items.iter().map(token_id).collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("\"tokens\" must be an array of token ids")),
+        Some(Value::Array(items)) => items.iter().map(|t| request::get_i32(t).map_err(ApiError::invalid)).collect::<Result<_, _>>()?,
+        Some(v) => return Err(ApiError::invalid(request::type_error("array", v))),
     };
-    let vocab = model.vocab();
-    let n_vocab = vocab.n_tokens();
-    if let Some(bad) = tokens.iter().find(|&&t| t < 0 || t >= n_vocab) {
-        return Err(ApiError::invalid(format!("token id {bad} is out of range (vocabulary size {n_vocab})")));
+    let mut bytes = Vec::new();
+    for &t in &tokens {
+        bytes.extend(piece(model.vocab(), t)?);
     }
-    let bytes: Vec<u8> = tokens.iter().flat_map(|&t| vocab.token_to_piece(t, true)).collect();
     Ok(Json(json!({"content": String::from_utf8_lossy(&bytes)})))
 }
 
@@ -983,6 +950,7 @@ mod tests {
                     has_new_line: false,
                     timings: Timings::default(),
                     probs: Vec::new(),
+                    settings: Default::default(),
                 };
                 let _ = task.events.send(Event::Final(Box::new(fin)));
             }
@@ -1019,12 +987,24 @@ mod tests {
 
     #[tokio::test]
     async fn malformed_json_gets_the_llama_cpp_error_shape() {
-        for body in ["{not json", "[1,2]"] {
+        for body in ["{not json", "", "{\"a\": 1} x"] {
             let (s, v, _) = call(router(engine(State::Ready), ServerInfo::default(), None), "POST", "/completion", body).await;
             assert_eq!(s, StatusCode::BAD_REQUEST, "{body}");
             assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
             assert_eq!(v["error"]["code"], 400);
+            // llama.cpp's own parser's message
+            assert!(v["error"]["message"].as_str().unwrap().starts_with("[json.exception.parse_error.101] parse error at line 1"), "{v}");
         }
+    }
+
+    #[test]
+    fn bodies_that_are_no_object_fail_lookups_as_the_json_library_does() {
+        let body = parse_body(&Bytes::from_static(b"[1,2]")).unwrap();
+        assert!(body.get("prompt").is_none());
+        assert_eq!(body.at("prompt").unwrap_err().message, "[json.exception.type_error.304] cannot use at() with array");
+        let body = parse_body(&Bytes::from_static(b"\xEF\xBB\xBF{\"a\": 1}")).unwrap();
+        assert_eq!(body.at("a").unwrap(), &json!(1));
+        assert_eq!(body.at("b").unwrap_err().message, "[json.exception.out_of_range.403] key 'b' not found");
     }
 
     #[tokio::test]
@@ -1037,15 +1017,27 @@ mod tests {
     #[test]
     fn request_fields_become_task_params() {
         let body = json!({"prompt": "x", "temperature": 0.0, "top_k": 1, "repeat_penalty": 1.1, "max_tokens": 7, "stop": "END", "stream": true});
-        let p = task_params(body.as_object().unwrap(), None, &[], 0).unwrap();
-        assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.1}));
+        let schema_to_grammar = |_: &Value| Ok(String::new());
+        let check_chat_parser = |_: &str| Ok(());
+        let ctx = request::Context {
+            vocab: None,
+            eog: &[],
+            n_parallel: 4,
+            dry_base_default: 1.75,
+            schema_to_grammar: &schema_to_grammar,
+            check_chat_parser: &check_chat_parser,
+        };
+        let params = |body: Value| request::eval(body.as_object().unwrap(), &ctx).map(|f| params_from_fields(&f, &Map::new(), None, 0));
+        let p = params(body).unwrap();
+        assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.100000023841858}));
         assert_eq!(p.n_predict, 7);
         assert_eq!(p.stop, ["END"]);
         assert!(p.stream && p.cache_prompt);
-        let bad = json!({"n_predict": "many"});
-        assert_eq!(task_params(bad.as_object().unwrap(), None, &[], 0).unwrap_err().kind, ErrorType::InvalidRequest);
-        let bad = json!({"stop": 3});
-        assert!(task_params(bad.as_object().unwrap(), None, &[], 0).is_err());
+        let bad = params(json!({"n_predict": "many"})).unwrap_err();
+        assert_eq!(bad.kind, ErrorType::InvalidRequest);
+        assert_eq!(bad.message, "Field 'n_predict': [json.exception.type_error.302] type must be number, but is string");
+        // llama-server ignores a stop that is neither a string nor an array
+        assert!(params(json!({"stop": 3})).unwrap().stop.is_empty());
     }
 
     async fn call_with(app: Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {

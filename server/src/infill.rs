@@ -4,7 +4,7 @@
 use axum::body::Bytes;
 use axum::extract::State as AxState;
 use axum::response::Response;
-use serde_json::{Map, Value};
+use serde_json::Value;
 use strata_ffi::{Token, Vocab};
 
 use crate::error::{ApiError, ErrorType};
@@ -86,6 +86,8 @@ pub fn format_prompt(
 
 pub async fn infill(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let model = loaded_model(&app.engine)?;
+    // the model is checked before the body is read, as llama-server does
+    check_fim(model.vocab())?;
     let body = parse_body(&body)?;
     let limits = InfillLimits {
         n_batch: app.info.n_batch,
@@ -97,8 +99,7 @@ pub async fn infill(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
     run_completion(&app, model.clone(), &body, vec![tokens]).await
 }
 
-/// The request checks llama-server makes, then the prompt.
-fn infill_tokens(vocab: Vocab<'_>, body: &Map<String, Value>, limits: &InfillLimits) -> Result<Vec<Token>, ApiError> {
+fn check_fim(vocab: Vocab<'_>) -> Result<(), ApiError> {
     let mut missing = String::new();
     for (tok, what) in [(vocab.fim_pre(), "prefix"), (vocab.fim_suf(), "suffix"), (vocab.fim_mid(), "middle")] {
         if tok.is_none() {
@@ -108,11 +109,13 @@ fn infill_tokens(vocab: Vocab<'_>, body: &Map<String, Value>, limits: &InfillLim
     if !missing.is_empty() {
         return Err(ApiError::new(ErrorType::NotSupported, format!("Infill is not supported by this model: {missing}")));
     }
-    if body.get("prompt").is_some_and(|p| !p.is_string()) {
-        return Err(ApiError::invalid("\"prompt\" must be a string"));
-    }
-    let prefix = body.get("input_prefix").ok_or_else(|| ApiError::invalid("\"input_prefix\" is required"))?;
-    let suffix = body.get("input_suffix").ok_or_else(|| ApiError::invalid("\"input_suffix\" is required"))?;
+    Ok(())
+}
+
+/// The request checks llama-server makes, then the prompt. llama-server's own checks of
+/// `prompt`, `input_prefix` and `input_suffix` do not stop its handler: a prompt that is no
+/// string counts as none, and a missing prefix or suffix fails later on the JSON lookup.
+fn infill_tokens(vocab: Vocab<'_>, body: &crate::http::Body, limits: &InfillLimits) -> Result<Vec<Token>, ApiError> {
     let extra = match body.get("input_extra") {
         None => Vec::new(),
         Some(Value::Array(a)) => a.clone(),
@@ -130,5 +133,5 @@ fn infill_tokens(vocab: Vocab<'_>, body: &Map<String, Value>, limits: &InfillLim
     }
     let prompt_text = body.get("prompt").and_then(Value::as_str).unwrap_or("");
     let prompt = vocab.tokenize(prompt_text, false, true).map_err(|e| ApiError::invalid(e.to_string()))?;
-    format_prompt(vocab, prefix, suffix, &extra, limits, &prompt)
+    format_prompt(vocab, body.at("input_prefix")?, body.at("input_suffix")?, &extra, limits, &prompt)
 }

@@ -36,8 +36,6 @@ pub struct ServerInfo {
     pub n_keep: i64,
     pub n_batch: usize,
     pub n_predict: i64,
-    /// A drafter is configured (--spec-type or a draft model).
-    pub speculative: bool,
     /// --embeddings: the embedding routes answer (and --pooling / --embd-normalize for them).
     pub embedding: bool,
     pub pooling_type: i64,
@@ -46,6 +44,18 @@ pub struct ServerInfo {
     pub spm_infill: bool,
     /// llama-server adds `__verbose` to OpenAI answers at verbosity above 9.
     pub verbose: bool,
+    /// --ui-mcp-proxy: the web UI's CORS proxy is on.
+    pub ui_mcp_proxy: bool,
+    /// --ui-config: settings handed to the web UI.
+    pub ui_settings: Value,
+    /// A trailing assistant message is continued (--no-prefill-assistant turns it off).
+    pub prefill_assistant: bool,
+    pub force_pure_content: bool,
+    /// --chat-template-kwargs, each value as JSON text.
+    pub default_template_kwargs: serde_json::Map<String, Value>,
+    /// --reasoning-budget (-1: none) and the message forced before its end tag.
+    pub reasoning_budget: i64,
+    pub reasoning_budget_message: String,
 }
 
 fn strings(v: &Value) -> Vec<String> {
@@ -59,7 +69,6 @@ impl ServerInfo {
         Self {
             model_alias,
             model_aliases: strings(&cfg["model_alias"]),
-            speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
             embedding: cfg["embedding"].as_bool().unwrap_or(false),
             pooling_type: cfg["pooling_type"].as_i64().unwrap_or(-1),
             embd_normalize: cfg["embd_normalize"].as_i64().unwrap_or(2) as i32,
@@ -88,6 +97,13 @@ impl ServerInfo {
             n_predict: cfg["n_predict"].as_i64().unwrap_or(-1),
             spm_infill: b("spm_infill"),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
+            ui_mcp_proxy: b("ui_mcp_proxy"),
+            prefill_assistant: cfg["prefill_assistant"].as_bool().unwrap_or(true),
+            force_pure_content: b("force_pure_content"),
+            default_template_kwargs: cfg["default_template_kwargs"].as_object().cloned().unwrap_or_default(),
+            reasoning_budget: cfg["reasoning_budget"].as_i64().unwrap_or(-1),
+            reasoning_budget_message: s("reasoning_budget_message"),
+            ui_settings: cfg["ui_config_json"].as_str().and_then(|s| serde_json::from_str(s).ok()).unwrap_or_else(|| json!({})),
         }
     }
 }
@@ -96,12 +112,24 @@ fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// The marker that stands for a media item in a prompt, random per process unless
+/// LLAMA_MEDIA_MARKER pins it (llama-server's get_media_marker).
+pub fn media_marker() -> &'static str {
+    static MARKER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    MARKER.get_or_init(|| match std::env::var("LLAMA_MEDIA_MARKER") {
+        Ok(m) if !m.is_empty() => m,
+        _ => format!("<__media_{}__>", crate::oai::random_string()),
+    })
+}
+
 pub fn model_info(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value {
     json!({
         "id": info.model_alias,
         "aliases": info.model_aliases,
         "tags": info.model_tags,
         "object": "model",
+        // no multimodal projector and no decision heads: text in, text out
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
         "created": now(),
         "owned_by": "llamacpp",
         "meta": {
@@ -112,6 +140,7 @@ pub fn model_info(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value 
             "n_embd": model.n_embd_inp(),
             "n_params": model.n_params(),
             "size": model.size(),
+            "ftype": model.ftype_name(),
         },
     })
 }
@@ -143,22 +172,44 @@ pub fn models(info: &ServerInfo, model: &Model, n_ctx_slot: usize) -> Value {
     })
 }
 
-pub fn props(info: &ServerInfo, n_ctx_slot: usize, chat_template: &str, bos: &str, eos: &str, is_sleeping: bool) -> Value {
-    json!({
-        "default_generation_settings": {"params": info.sampling, "n_ctx": n_ctx_slot},
+/// What /props reports of the loaded model and its chat templates.
+pub struct ModelProps {
+    pub ftype: String,
+    pub chat_template: String,
+    /// The tool-use variant of the template ("" when the model has none).
+    pub chat_template_tool_use: String,
+    pub chat_template_caps: Value,
+    pub bos: String,
+    pub eos: String,
+}
+
+/// llama-server's /props; `settings` is a default task's (EngineHandle::default_settings).
+pub fn props(info: &ServerInfo, n_ctx_slot: usize, m: &ModelProps, settings: Value, is_sleeping: bool) -> Value {
+    let mut v = json!({
+        "default_generation_settings": {"params": settings, "n_ctx": n_ctx_slot},
         "total_slots": info.n_parallel,
         "model_alias": info.model_alias,
+        "model_ftype": m.ftype,
         "model_path": info.model_path,
         "modalities": {"vision": false, "video": false, "audio": false},
+        "media_marker": media_marker(),
         "endpoint_slots": info.endpoint_slots,
         "endpoint_props": info.endpoint_props,
         "endpoint_metrics": info.endpoint_metrics,
         "ui": info.ui,
-        "chat_template": chat_template,
-        "bos_token": bos,
-        "eos_token": eos,
+        "ui_settings": info.ui_settings,
+        "chat_template": m.chat_template,
+        "chat_template_caps": m.chat_template_caps,
+        "bos_token": m.bos,
+        "eos_token": m.eos,
+        "build_info": strata_ffi::build_info(),
         "is_sleeping": is_sleeping,
-    })
+        "cors_proxy_enabled": info.ui_mcp_proxy,
+    });
+    if info.use_jinja && !m.chat_template_tool_use.is_empty() {
+        v["chat_template_tool_use"] = json!(m.chat_template_tool_use);
+    }
+    v
 }
 
 /// Whether an Origin header names this machine (llama-server's `--cors-origins localhost`).

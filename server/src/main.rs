@@ -18,6 +18,7 @@ mod mcp;
 mod metrics;
 mod oai;
 mod prompt_cache;
+mod request;
 mod responses;
 mod router;
 mod streams;
@@ -61,7 +62,10 @@ fn main() -> ExitCode {
     if let Some(c) = &experts {
         parse_args.extend(c.llama_args().iter().map(|a| a.to_string()));
     }
-    strata_ffi::common_init();
+    if let Err(e) = strata_ffi::common_init() {
+        eprintln!("strata-server: error: {e}");
+        return ExitCode::from(1);
+    }
     let mut params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
         Ok(ParseOutcome::Parsed(p)) => p,
         Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
@@ -79,7 +83,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    params.apply_server_defaults();
+    if let Err(e) = params.apply_server_defaults() {
+        eprintln!("strata-server: error: {e}");
+        return ExitCode::from(1);
+    }
     match serve(params, strata_args, experts, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -183,7 +190,7 @@ fn serve(
         }
         let app = http::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
-            tokio::spawn(accept_loop(l, app.clone()));
+            tokio::spawn(accept_loop(l, app.clone(), read_timeout(&cfg)));
         }
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {
@@ -225,13 +232,20 @@ impl Listener {
     }
 }
 
+/// The read timeout of `--timeout` (llama-server's, 600 s by default), in the config's JSON.
+pub fn read_timeout(cfg: &serde_json::Value) -> std::time::Duration {
+    std::time::Duration::from_secs(cfg["timeout_read"].as_u64().filter(|&s| s > 0).unwrap_or(600))
+}
+
 /// HTTP/1.1 with header names in title case, as llama-server (cpp-httplib) writes them: some
-/// clients, the pin's own tests among them, look headers up case-sensitively.
-async fn accept_loop(listener: Listener, app: axum::Router) {
+/// clients, the pin's own tests among them, look headers up case-sensitively. A client that
+/// does not finish a request head within `read_timeout` is disconnected, so idle or trickling
+/// connections cannot pile up.
+async fn accept_loop(listener: Listener, app: axum::Router, read_timeout: std::time::Duration) {
     loop {
         let accepted = match &listener {
-            Listener::Tcp(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone())),
-            Listener::Unix(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone())),
+            Listener::Tcp(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone(), read_timeout)),
+            Listener::Unix(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone(), read_timeout)),
         };
         if accepted.is_err() {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -239,13 +253,18 @@ async fn accept_loop(listener: Listener, app: axum::Router) {
     }
 }
 
-fn serve_connection<S>(stream: S, app: axum::Router)
+fn serve_connection<S>(stream: S, app: axum::Router, read_timeout: std::time::Duration)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let svc = hyper_util::service::TowerToHyperService::new(app);
     tokio::spawn(async move {
         let io = hyper_util::rt::TokioIo::new(stream);
-        let _ = hyper::server::conn::http1::Builder::new().title_case_headers(true).serve_connection(io, svc).await;
+        let _ = hyper::server::conn::http1::Builder::new()
+            .title_case_headers(true)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(read_timeout)
+            .serve_connection(io, svc)
+            .await;
     });
 }

@@ -13,9 +13,10 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
+use crate::request;
 use crate::generation::StopType;
 use crate::http::{add_progress, 
-    collect, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json,
+    collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json,
     tokenize_prompts, App, Sse,
 };
 
@@ -69,42 +70,22 @@ fn usage(f: &Final) -> Value {
     })
 }
 
-/// The fields both OAI routes reject or rewrite before the common parsing.
-fn oai_common(body: &mut Map<String, Value>) -> Result<(), ApiError> {
-    if let Some(Value::String(s)) = body.get("stop") {
-        let s = s.clone();
-        body.insert("stop".into(), json!([s]));
-    }
-    if !body.contains_key("n_predict") {
-        if let Some(v) = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")).cloned() {
-            body.insert("n_predict".into(), v);
-        }
-    }
-    Ok(())
-}
-
 pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
-    let mut body = parse_body(&body)?;
+    // llama-server reads /v1/completions as its own /completion (max_tokens and the other OpenAI
+    // names are the schema's aliases), only the answer is shaped differently
+    let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
-    let prompt = body.get("prompt").cloned().ok_or_else(|| ApiError::server("\"prompt\" is required"))?;
-    if body.get("echo").and_then(Value::as_bool).unwrap_or(false) {
-        return Err(ApiError::server("Only no echo is supported"));
-    }
-    for p in ["best_of", "suffix"] {
-        if body.contains_key(p) {
-            return Err(ApiError::server(format!("Unsupported param: {p}")));
-        }
-    }
-    oai_common(&mut body)?;
-    let prompts = tokenize_prompts(model.vocab(), &prompt)?;
-    let params = task_params(&body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
-    let n = prompts.len();
+    let prompts = tokenize_prompts(model.vocab(), body.at("prompt")?)?;
+    let mut params = task_params(&app, &model, &body)?;
+    let n = prompts.len() * params.n_cmpl;
     let id = format!("chatcmpl-{}", random_string());
+    params.cmpl_id = id.clone();
+    let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
+    params.settings_in_answer = verbose;
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
     let rx = app.engine.submit(prompts, params.clone())?;
     let post = params.post_sampling_probs;
-    let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let render = move |ev: &Event| -> Vec<Value> {
         match ev {
             Event::Partial(p) => {
@@ -140,7 +121,15 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
     if params.stream {
         return stream_response(rx, n, render, Sse::OpenAi).await;
     }
-    collect(rx, n, render).await
+    // several answers become the choices of the first, as llama-server merges them
+    let mut results = collect_values(rx, n, render).await?.into_iter();
+    let mut answer = results.next().unwrap_or(Value::Null);
+    for r in results {
+        if let (Some(choices), Some(c)) = (answer["choices"].as_array_mut(), r["choices"].get(0)) {
+            choices.push(c.clone());
+        }
+    }
+    Ok(Json(answer).into_response())
 }
 
 /// The chat request turned into a prompt and the parameters that go with it.
@@ -158,15 +147,18 @@ pub fn chat_templates(app: &App, model: &Arc<Model>) -> Result<Arc<ChatTemplates
     t.clone().map_err(ApiError::server)
 }
 
-/// Media parts need a multimodal projector, which strata-server does not load yet: the same
-/// refusals llama-server gives without one.
+/// A message's content parts, checked as llama-server loads their media: without a multimodal
+/// projector every media part is refused (500, as upstream), and a part of another type than
+/// text is a 400.
 fn check_media(parts: &[Value]) -> Result<(), ApiError> {
     for p in parts {
-        let what = match p.get("type").and_then(Value::as_str) {
-            Some("image_url") => "image",
-            Some("input_audio") => "audio",
-            Some("input_video" | "video_url") => "video",
-            _ => continue,
+        let ty = p.as_object().map_or(String::new(), |o| request::lenient(o, "type", |v| request::get_str(v).map(String::from), String::new()));
+        let what = match ty.as_str() {
+            "image_url" => "image",
+            "input_audio" => "audio",
+            "input_video" | "video_url" => "video",
+            "text" => continue,
+            _ => return Err(ApiError::invalid("unsupported content[].type")),
         };
         return Err(ApiError::server(format!(
             "{what} input is not supported - hint: if this is unexpected, you may need to provide the mmproj"
@@ -175,11 +167,20 @@ fn check_media(parts: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A JSON library `json_value(body, key, default)` for a string.
+fn lenient_str(body: &Map<String, Value>, key: &str, default: &str) -> String {
+    request::lenient(body, key, |v| request::get_str(v).map(String::from), default.to_string())
+}
+
+/// llama-server's oaicompat_chat_params_parse: the chat request's checks, in its order and with
+/// its statuses (std::invalid_argument and JSON errors are 400, other exceptions 500), the
+/// template applied, and the body the completion schema then reads.
 pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) -> Result<ChatPrompt, ApiError> {
     let info = &app.info;
     let tools = body.get("tools").cloned().unwrap_or(Value::Null);
     let has_tools = tools.as_array().is_some_and(|t| !t.is_empty());
-    let tool_choice = body.get("tool_choice").and_then(Value::as_str).unwrap_or("auto").to_string();
+    let stream = request::lenient(&body, "stream", request::get_bool, false);
+    let tool_choice = lenient_str(&body, "tool_choice", "auto");
     if !info.use_jinja {
         if has_tools {
             return Err(ApiError::server("tools param requires --jinja flag"));
@@ -188,21 +189,39 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
             return Err(ApiError::server("tool_choice param requires --jinja flag"));
         }
     }
-    oai_common(&mut body)?;
+    let mut stop = match body.get("stop") {
+        Some(Value::String(s)) => json!([s]),
+        Some(v) if !v.is_null() => v.clone(),
+        _ => json!([]),
+    };
     let mut json_schema = body.get("json_schema").cloned().unwrap_or(Value::Null);
-    let grammar = body.get("grammar").and_then(Value::as_str).unwrap_or("").to_string();
+    let grammar = lenient_str(&body, "grammar", "");
     if !json_schema.is_null() && !grammar.is_empty() {
         return Err(ApiError::server("Cannot use both json_schema and grammar"));
     }
-    if let Some(rf) = body.get("response_format") {
-        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        match ty {
+    if body.contains_key("response_format") {
+        let rf = match body.get("response_format") {
+            Some(v) if !v.is_null() => v.clone(),
+            _ => json!({}),
+        };
+        let empty = Map::new();
+        let rf_obj = rf.as_object().unwrap_or(&empty);
+        let ty = lenient_str(rf_obj, "type", "");
+        let object_at = |o: &Map<String, Value>, k: &str| match o.get(k) {
+            Some(v) if !v.is_null() => v.clone(),
+            _ => json!({}),
+        };
+        match ty.as_str() {
             "json_object" => {
-                if rf.get("schema").is_some() || json_schema.is_null() {
-                    json_schema = rf.get("schema").cloned().unwrap_or(json!({}));
+                let schema_empty = json_schema.is_null() || json_schema.as_object().is_some_and(Map::is_empty) || json_schema.as_array().is_some_and(Vec::is_empty);
+                if rf_obj.contains_key("schema") || schema_empty {
+                    json_schema = object_at(rf_obj, "schema");
                 }
             }
-            "json_schema" => json_schema = rf.get("json_schema").and_then(|w| w.get("schema")).cloned().unwrap_or(json!({})),
+            "json_schema" => {
+                let wrapper = object_at(rf_obj, "json_schema");
+                json_schema = object_at(wrapper.as_object().unwrap_or(&empty), "schema");
+            }
             "" | "text" => {}
             other => {
                 return Err(ApiError::invalid(format!(
@@ -214,29 +233,43 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
     if json_schema.as_object().is_some_and(Map::is_empty) {
         json_schema = json!({"type": "object"});
     }
-    let messages = body.get("messages").ok_or_else(|| ApiError::invalid("'messages' is required"))?;
-    let Value::Array(msgs) = messages else {
+    let messages = body.get("messages").cloned().ok_or_else(|| ApiError::invalid("'messages' is required"))?;
+    let Value::Array(msgs) = &messages else {
         return Err(ApiError::invalid("Expected 'messages' to be an array"));
     };
     for m in msgs {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
-        if role != "assistant" && m.get("content").is_none() {
+        let o = m.as_object();
+        let has = |k: &str| o.is_some_and(|o| o.contains_key(k));
+        let role = o.map_or(String::new(), |o| lenient_str(o, "role", ""));
+        if role != "assistant" && !has("content") {
             return Err(ApiError::invalid("All non-assistant messages must contain 'content'"));
         }
-        if role == "assistant" && m.get("content").is_none() && m.get("tool_calls").is_none() {
-            return Err(ApiError::invalid("Assistant message must contain either 'content' or 'tool_calls'!"));
+        if role == "assistant" {
+            if !has("content") && !has("tool_calls") {
+                return Err(ApiError::invalid("Assistant message must contain either 'content' or 'tool_calls'!"));
+            }
+            if !has("content") {
+                continue;
+            }
         }
-        match m.get("content") {
-            None | Some(Value::String(_) | Value::Null) => {}
-            Some(Value::Array(parts)) => check_media(parts)?,
-            Some(_) => return Err(ApiError::invalid("Expected 'content' to be a string or an array")),
+        match &m["content"] {
+            Value::String(_) | Value::Null => {}
+            Value::Array(parts) => check_media(parts)?,
+            _ => return Err(ApiError::invalid("Expected 'content' to be a string or an array")),
         }
     }
-    let mut add_generation_prompt = body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true);
+    let parsed = strata_ffi::parse_chat_inputs(&json!({"messages": messages, "tools": tools, "tool_choice": tool_choice}))
+        .map_err(ApiError::from_llama)?;
+    let roles: Vec<&str> = parsed["roles"].as_array().map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    let tmpls = chat_templates(app, model)?;
+    let caps = tmpls.caps().map_err(ApiError::from_llama)?;
+    let parallel_default = caps["supports_parallel_tool_calls"].as_bool().unwrap_or(false);
+    let parallel_tool_calls = request::lenient(&body, "parallel_tool_calls", request::get_bool, parallel_default);
+    let mut add_generation_prompt = request::lenient(&body, "add_generation_prompt", request::get_bool, true);
+    let continues = |v: &Value| v.as_bool() == Some(true) || matches!(v.as_str(), Some("content" | "reasoning_content"));
     let mut continue_final = body.get("continue_final_message").cloned().unwrap_or(Value::Bool(false));
-    let continues = |v: &Value| v.as_bool().unwrap_or(false) || matches!(v.as_str(), Some("content" | "reasoning_content"));
-    if !continues(&continue_final) && msgs.last().and_then(|m| m.get("role")).and_then(Value::as_str) == Some("assistant") {
-        if msgs.len() >= 2 && msgs[msgs.len() - 2].get("role").and_then(Value::as_str) == Some("assistant") {
+    if !continues(&continue_final) && info.prefill_assistant && roles.last() == Some(&"assistant") {
+        if roles.len() >= 2 && roles[roles.len() - 2] == "assistant" {
             return Err(ApiError::invalid("Cannot have 2 or more assistant messages at the end of the list."));
         }
         continue_final = Value::Bool(true);
@@ -245,39 +278,51 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
     if continues(&continue_final) && add_generation_prompt {
         return Err(ApiError::invalid("Cannot set both add_generation_prompt and continue_final_message to true."));
     }
-    if has_tools && tool_choice != "none" && body.contains_key("grammar") {
+    if continues(&continue_final) && roles.last() == Some(&"assistant") && parsed["last_has_tool_calls"] == json!(true) {
+        return Err(ApiError::invalid("Cannot continue an assistant message that contains tool calls."));
+    }
+    let mut reasoning_format = info.reasoning_format.clone();
+    if let Some(v) = body.get("reasoning_format") {
+        let name = request::get_str(v).map_err(ApiError::invalid)?;
+        if !request::REASONING_FORMATS.contains(&name) {
+            return Err(ApiError::server(format!("Unknown reasoning format: {name}")));
+        }
+        reasoning_format = name.to_string();
+    }
+    let mut enable_thinking = info.enable_reasoning != 0 && info.use_jinja && tmpls.supports_thinking();
+    let tools_apply = parsed["n_tools"].as_u64().unwrap_or(0) > 0 && parsed["tool_choice_none"] != json!(true);
+    if tools_apply && body.contains_key("grammar") {
         return Err(ApiError::invalid("Cannot use custom grammar constraints with tools."));
     }
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let mut n_probs = None;
-    if body.get("logprobs").and_then(Value::as_bool).unwrap_or(false) {
-        if has_tools && stream {
-            return Err(ApiError::invalid("logprobs is not supported with tools + stream"));
-        }
-        n_probs = Some(body.get("top_logprobs").and_then(Value::as_i64).unwrap_or(20));
-    } else if body.get("top_logprobs").is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::invalid("top_logprobs requires logprobs to be set to true"));
+    // the server's --chat-template-kwargs under the request's own, each as JSON text
+    let mut kwargs: Map<String, Value> = info.default_template_kwargs.clone();
+    let asked = match body.get("chat_template_kwargs") {
+        Some(v) if !v.is_null() => v.clone(),
+        _ => json!({}),
+    };
+    for (k, v) in kwarg_items(&asked) {
+        kwargs.insert(k, Value::String(v.to_string()));
     }
-    let reasoning_format = body.get("reasoning_format").and_then(Value::as_str).unwrap_or(&info.reasoning_format).to_string();
-    let mut kwargs = body.get("chat_template_kwargs").cloned().unwrap_or(json!({}));
-    let mut enable_thinking = info.enable_reasoning != 0;
-    match kwargs.get("enable_thinking") {
-        Some(Value::Bool(b)) => enable_thinking = *b,
-        Some(Value::String(_)) => {
+    match kwargs.get("enable_thinking").and_then(Value::as_str) {
+        Some("true") => enable_thinking = true,
+        Some("false") => enable_thinking = false,
+        Some(s) if s.starts_with('"') => {
             return Err(ApiError::invalid("invalid type for \"enable_thinking\" (expected boolean, got string)"))
         }
         _ => {}
     }
-    if let Some(effort) = body.get("reasoning_effort").and_then(Value::as_str) {
+    if body.contains_key("reasoning_effort") {
+        let effort = lenient_str(&body, "reasoning_effort", "");
         if effort == "none" {
             enable_thinking = false;
-            if let Some(k) = kwargs.as_object_mut() {
-                k.remove("reasoning_effort");
-            }
+            kwargs.remove("reasoning_effort");
         } else if !effort.is_empty() {
-            kwargs["reasoning_effort"] = json!(effort);
+            kwargs.insert("reasoning_effort".into(), Value::String(json!(effort).to_string()));
         }
     }
+    // the shim takes the kwargs as JSON values and writes them back as text
+    let kwargs_values: Map<String, Value> =
+        kwargs.iter().map(|(k, v)| (k.clone(), v.as_str().and_then(|t| serde_json::from_str(t).ok()).unwrap_or(Value::Null))).collect();
     let inputs = json!({
         "messages": messages,
         "tools": tools,
@@ -287,44 +332,117 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
         "use_jinja": info.use_jinja,
         "enable_thinking": enable_thinking,
         "reasoning_format": reasoning_format,
-        "parallel_tool_calls": body.get("parallel_tool_calls").and_then(Value::as_bool).unwrap_or(false),
+        "parallel_tool_calls": parallel_tool_calls,
         "json_schema": if json_schema.is_null() { String::new() } else { json_schema.to_string() },
         "grammar": grammar,
-        "chat_template_kwargs": kwargs,
+        "chat_template_kwargs": kwargs_values,
+        "force_pure_content": info.force_pure_content,
     });
-    let applied = chat_templates(app, model)?.apply(&inputs).map_err(|e| ApiError::invalid(e.to_string()))?;
+    let applied = tmpls.apply(&inputs).map_err(ApiError::from_llama)?;
 
-    let mut task_body = body.clone();
-    if let Some(n) = n_probs {
-        task_body.insert("n_probs".into(), json!(n));
+    let mut task = Map::new();
+    if tools_apply {
+        task.insert("parse_tool_calls".into(), json!(true));
     }
+    task.insert("chat_format".into(), applied["format"].clone());
+    task.insert("prompt".into(), applied["prompt"].clone());
     if let Some(g) = applied["grammar"].as_str().filter(|g| !g.is_empty()) {
-        task_body.insert("grammar".into(), json!(g));
-        task_body.insert("grammar_type".into(), json!(3));
+        task.insert("grammar".into(), json!(g));
+        task.insert("grammar_type".into(), json!("tool_calls"));
     }
-    task_body.insert("grammar_lazy".into(), applied["grammar_lazy"].clone());
-    task_body.insert("grammar_triggers".into(), applied["grammar_triggers"].clone());
-    task_body.insert("generation_prompt".into(), applied["generation_prompt"].clone());
-    task_body.insert("message_delimiters".into(), applied["message_delimiters"].clone());
-    let mut stops: Vec<Value> = task_body.get("stop").and_then(Value::as_array).cloned().unwrap_or_default();
-    stops.extend(applied["additional_stops"].as_array().cloned().unwrap_or_default());
-    task_body.insert("stop".into(), Value::Array(stops));
+    task.insert("grammar_lazy".into(), applied["grammar_lazy"].clone());
+    let triggers: Vec<Value> = applied["grammar_triggers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| match t["type"].as_i64() {
+            Some(request::TRIGGER_TOKEN) => json!({"type": t["type"], "value": t["value"], "token": t["token"]}),
+            _ => json!({"type": t["type"], "value": t["value"]}),
+        })
+        .collect();
+    task.insert("grammar_triggers".into(), Value::Array(triggers));
+    task.insert("preserved_tokens".into(), applied["preserved_tokens"].clone());
+    task.insert("generation_prompt".into(), applied["generation_prompt"].clone());
+    let additional = applied["additional_stops"].as_array().cloned().unwrap_or_default();
+    if !additional.is_empty() {
+        match stop.as_array_mut() {
+            Some(list) => list.extend(additional),
+            None => return Err(ApiError::invalid(format!("[json.exception.type_error.308] cannot use push_back() with {}", request::type_name(&stop)))),
+        }
+    }
+    task.insert("stop".into(), stop);
+    if applied["parser"].as_str().is_some_and(|p| !p.is_empty()) {
+        task.insert("chat_parser".into(), applied["parser"].clone());
+    }
+    task.insert("message_delimiters".into(), applied["message_delimiters"].clone());
+    let mut budget = request::lenient(&body, "reasoning_budget_tokens", request::get_i32, request::lenient(&body, "thinking_budget_tokens", request::get_i32, -1)) as i64;
+    if budget == -1 {
+        budget = info.reasoning_budget;
+    }
+    if applied["thinking_end_tags"].as_array().is_some_and(|t| !t.is_empty()) {
+        task.insert("reasoning_budget_tokens".into(), json!(budget));
+        task.insert("reasoning_budget_start_tag".into(), applied["thinking_start_tag"].clone());
+        task.insert("reasoning_budget_end_tags".into(), applied["thinking_end_tags"].clone());
+        task.insert("reasoning_budget_message".into(), json!(lenient_str(&body, "reasoning_budget_message", &info.reasoning_budget_message)));
+        task.insert("reasoning_control".into(), json!(request::lenient(&body, "reasoning_control", request::get_bool, false)));
+    }
+    if request::lenient(&body, "logprobs", request::get_bool, false) {
+        if has_tools && stream {
+            return Err(ApiError::invalid("logprobs is not supported with tools + stream"));
+        }
+        task.insert("n_probs".into(), json!(request::lenient(&body, "top_logprobs", request::get_i32, 20)));
+    } else if body.get("top_logprobs").is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid("top_logprobs requires logprobs to be set to true"));
+    }
+    // every other field goes through as given, for the completion schema (n_predict wins over
+    // what was set from max_tokens)
+    for (k, v) in std::mem::take(&mut body) {
+        if !task.contains_key(&k) || k == "n_predict" {
+            task.insert(k, v);
+        }
+    }
     let parser = json!({
         "format": applied["format"],
         "reasoning_format": reasoning_format,
         "generation_prompt": applied["generation_prompt"],
-        "parse_tool_calls": has_tools && tool_choice != "none",
+        "parse_tool_calls": tools_apply,
         "parser": applied["parser"],
     });
-    Ok(ChatPrompt { prompt: applied["prompt"].as_str().unwrap_or_default().to_string(), task_body, parser })
+    Ok(ChatPrompt { prompt: applied["prompt"].as_str().unwrap_or_default().to_string(), task_body: task, parser })
+}
+
+/// What iterating `items()` gives in the JSON library: an object's entries, an array's
+/// elements keyed by index, a scalar once under "".
+fn kwarg_items(v: &Value) -> Vec<(String, Value)> {
+    match v {
+        Value::Object(o) => o.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        Value::Array(a) => a.iter().enumerate().map(|(i, v)| (i.to_string(), v.clone())).collect(),
+        Value::Null => Vec::new(),
+        other => vec![(String::new(), other.clone())],
+    }
 }
 
 pub async fn apply_template(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let body = parse_body(&body)?;
     app.engine.wake().await;
     let model = loaded_model(&app.engine)?;
-    let chat = chat_prompt(&app, &model, body)?;
+    let chat = chat_prompt(&app, &model, body.into_map())?;
     Ok(Json(json!({"prompt": chat.prompt})))
+}
+
+/// `/v1/chat/completions/control`: acts on a live completion by its id (`reasoning_end` ends its
+/// reasoning section now, for completions made with reasoning_control).
+pub async fn control(AxState(app): AxState<App>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let body = parse_body(&body)?;
+    let cmpl_id = request::lenient(&body, "id", |v| request::get_str(v).map(String::from), String::new());
+    let action = request::lenient(&body, "action", |v| request::get_str(v).map(String::from), String::new());
+    if cmpl_id.is_empty() {
+        return Err(ApiError::invalid("missing completion id"));
+    }
+    if action != "reasoning_end" {
+        return Err(ApiError::invalid("unknown control action"));
+    }
+    Ok(Json(app.engine.control(cmpl_id, action).await?))
 }
 
 /// How many tokens a chat request's prompt takes (the `input_tokens` routes).
@@ -332,7 +450,7 @@ pub async fn chat_input_tokens(AxState(app): AxState<App>, body: Bytes) -> Resul
     let body = parse_body(&body)?;
     app.engine.wake().await;
     let model = loaded_model(&app.engine)?;
-    let chat = chat_prompt(&app, &model, body)?;
+    let chat = chat_prompt(&app, &model, body.into_map())?;
     let n = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0).len();
     Ok(Json(json!({"input_tokens": n, "object": "response.input_tokens"})))
 }
@@ -353,16 +471,18 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     let model = loaded_model(&app.engine)?;
     let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
-    let n_choices = body.get("n").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
-    let chat = chat_prompt(&app, &model, body)?;
+    let chat = chat_prompt(&app, &model, body.into_map())?;
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
-    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
+    let mut params = task_params(&app, &model, &chat.task_body)?;
+    let n_choices = params.n_cmpl;
     let id = format!("chatcmpl-{}", random_string());
+    params.cmpl_id = id.clone();
+    params.settings_in_answer = verbose;
     let alias = app.engine.model_alias().to_string();
     let fingerprint = strata_ffi::build_info();
     // __verbose shows the prompt as its tokens read back, as llama-server does.
-    let prompt_text = model.vocab().detokenize(&prompt, false, true);
-    let rx = app.engine.submit(vec![prompt; n_choices], params.clone())?;
+    let prompt_text = model.vocab().detokenize(&prompt, false, true).map_err(|e| ApiError::server(e.to_string()))?;
+    let rx = app.engine.submit(vec![prompt], params.clone())?;
     let parser = chat.parser;
     let parse = move |text: &str, partial: bool| -> Value {
         parse_chat_message(text, partial, &parser).unwrap_or_else(|_| json!({"role": "assistant", "content": text}))

@@ -413,9 +413,11 @@ pub async fn responses(AxState(app): AxState<App>, body: Bytes) -> Result<Respon
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_chat(&body)?)?;
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
-    let params = task_params(&chat.task_body, Some(model.vocab()), &app.eog(&model), app.info.n_keep)?;
+    let mut params = task_params(&app, &model, &chat.task_body)?;
     let alias = app.engine.model_alias().to_string();
     let resp_id = format!("resp_{}", random_string());
+    params.cmpl_id = resp_id.clone();
+    params.n_cmpl = 1;
     let rx = app.engine.submit(vec![prompt], params.clone())?;
     let parser = chat.parser;
     let parse = move |text: &str, partial: bool, ids: &mut Vec<String>| -> Value {
@@ -571,6 +573,7 @@ mod tests {
             has_new_line: false,
             timings: Timings { cache_n: 1, ..Default::default() },
             probs: Vec::new(),
+            settings: Default::default(),
         };
         let done = s.finish(&f, &full);
         assert_eq!(

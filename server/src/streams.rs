@@ -248,7 +248,7 @@ async fn stream_get(Query(q): Params) -> Response {
 
 /// The conversation ids a lookup body names, or the parse error.
 pub fn requested_ids(body: &[u8]) -> Result<Vec<String>, String> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let v = crate::http::parse_json(body)?;
     Ok(v["conversation_ids"]
         .as_array()
         .map(|a| a.iter().filter_map(Value::as_str).filter(|s| !s.is_empty()).map(String::from).collect())

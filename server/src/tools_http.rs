@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use crate::cors_proxy::feature_disabled;
 use crate::error::{ApiError, ErrorType};
 use crate::mcp::{self, McpManager};
-use crate::tools::params::type_name;
+use crate::request::type_error;
 use crate::tools::{self, Tools};
 
 /// Request parameters that only the matching header may set.
@@ -66,10 +66,10 @@ struct CallRequest {
 }
 
 fn parse_call(body: &Bytes) -> Result<CallRequest, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("[json.exception.parse_error.101] parse error: {e}")))?;
+    let v = crate::http::parse_json(body).map_err(ApiError::invalid)?;
     let tool = match v.get("tool") {
         Some(Value::String(s)) => s.clone(),
-        Some(other) => return Err(ApiError::invalid(format!("[json.exception.type_error.302] type must be string, but is {}", type_name(other)))),
+        Some(other) => return Err(ApiError::invalid(type_error("string", other))),
         None => return Err(ApiError::invalid("[json.exception.out_of_range.403] key 'tool' not found")),
     };
     let params = v.get("params").cloned().unwrap_or_else(|| Value::Object(Map::new()));

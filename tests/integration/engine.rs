@@ -378,7 +378,10 @@ fn slots_save_erase_restore_and_no_path_escapes() {
     }
     let (s, _) = server.post("/slots/0?action=restore", &json!({"filename": "missing.bin"}));
     assert_eq!(s, 400);
-    let (s, _) = server.post("/slots/7?action=erase", &json!({}));
+    // as llama-server's get_slot_by_id, an id past the last slot wraps around
+    let (s, body) = server.post("/slots/7?action=erase", &json!({}));
+    assert_eq!((s, &body["id_slot"]), (200, &json!(7)), "{body}");
+    let (s, _) = server.post("/slots/x?action=erase", &json!({}));
     assert_eq!(s, 400);
     let (s, _) = server.post("/slots/0?action=dance", &json!({}));
     assert_eq!(s, 400);

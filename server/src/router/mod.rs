@@ -138,7 +138,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         eprintln!("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
             strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));
-            tokio::spawn(crate::accept_loop(l, app.clone()));
+            tokio::spawn(crate::accept_loop(l, app.clone(), crate::read_timeout(cfg)));
         }
         tokio::spawn({
             let models = models.clone();

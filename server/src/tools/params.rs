@@ -5,24 +5,14 @@
 use serde_json::{Map, Value};
 
 use super::ToolError;
-
-pub fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
+use crate::request::{type_error, type_name};
 
 pub fn key_not_found(key: &str) -> ToolError {
     ToolError::BadRequest(format!("[json.exception.out_of_range.403] key '{key}' not found"))
 }
 
 pub fn wrong_type(expected: &str, got: &Value) -> ToolError {
-    ToolError::BadRequest(format!("[json.exception.type_error.302] type must be {expected}, but is {}", type_name(got)))
+    ToolError::BadRequest(type_error(expected, got))
 }
 
 pub fn not_an_object(op: &str, got: &Value) -> ToolError {

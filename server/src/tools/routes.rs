@@ -41,8 +41,7 @@ struct Request {
 }
 
 fn parse(body: &[u8], headers: &HeaderMap) -> Result<Request, ToolError> {
-    let body: Value = serde_json::from_slice(body)
-        .map_err(|e| ToolError::BadRequest(format!("[json.exception.parse_error.101] parse error: {e}")))?;
+    let body = crate::http::parse_json(body).map_err(ToolError::BadRequest)?;
     let obj = object(&body)?;
     let tool = required_str(obj, "tool")?;
     let mut params = match obj.get("params") {
