@@ -116,7 +116,8 @@ class Server:
 def run_case(case: gen.Case, srv: Server) -> dict:
     port = srv.port
     if case.wire in ("http", "slow"):
-        data = request_bytes(case.method, case.path, case.body, case.headers)
+        body = case.body() if callable(case.body) else case.body
+        data = request_bytes(case.method, case.path, body, case.headers)
         a = exchange(port, data, CASE_TIMEOUT, pieces=12 if case.wire == "slow" else 1,
                      gap=0.08 if case.wire == "slow" else 0.0)
         return summarize(a)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 I32_MAX = 2**31 - 1
@@ -257,7 +258,8 @@ class Case:
     key: str  # what the allow-list matches: "METHOD /route what"
     method: str = "POST"
     path: str = "/"
-    body: bytes | None = None
+    # the bytes, or for the big ones what makes them when the case is sent
+    body: bytes | Callable[[], bytes] | None = None
     headers: list[tuple[str, str]] = field(default_factory=list)
     wire: str = "http"  # http | slow | idle | abandon | abandon-stream | pipeline | raw
     raw: bytes | None = None
@@ -292,7 +294,8 @@ BROKEN_BODIES = [
     (b"{\"n_predict\": -0}", "negative-zero"), (b"{\"n_predict\": 01}", "leading-zero"),
     (_deep(20000, "[", "]"), "deep-array"), (b"{\"a\":" * 20000 + b"1" + b"}" * 20000, "deep-object"),
     (b"{\"prompt\": " + _deep(5000, "[", "]") + b"}", "deep-prompt"), (b" \n\t{\"prompt\":\"hi\"}\n ", "whitespace"),
-    (b"{\"prompt\": \"" + b"a" * 3_000_000 + b"\"}", "3MB-string"), (b"{\"x\": \"" + b"a" * 50_000_000 + b"\"}", "50MB-field"),
+    (lambda: b"{\"prompt\": \"" + b"a" * 3_000_000 + b"\"}", "3MB-string"),
+    (lambda: b"{\"x\": \"" + b"a" * 50_000_000 + b"\"}", "50MB-field"),
 ]
 
 
@@ -300,15 +303,15 @@ GARBAGE = [("tls-hello", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes
            ("method-only", b"GET\r\n\r\n"), ("http-9.9", b"GET / HTTP/9.9\r\n\r\n"), ("blank-lines", b"\r\n\r\n\r\n"),
            ("bad-header", b"GET /health HTTP/1.1\r\nbad header\r\n\r\n")]
 
-# legitimate but large requests: (route, body, what)
+# legitimate but large requests: (route, body made when sent, what)
 BIG = [
-    ("/tokenize", {"content": "hello " * 450_000}, "2.7MB-text"),
-    ("/tokenize", {"content": "hello " * 450_000, "with_pieces": True}, "2.7MB-text-pieces"),
-    ("/detokenize", {"tokens": [2] * 200_000}, "200k-tokens"),
-    ("/completion", {"prompt": "hello " * 500_000, "n_predict": 2}, "3MB-prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2_000_000}], "max_tokens": 2}, "2MB-message"),
-    ("/completion", {"prompt": "hi", "n_predict": 2, "x": "a" * 50_000_000}, "50MB-body"),
-    ("/completion", {"prompt": "hi", "n_predict": 2, "x": "a" * 105_000_000}, "105MB-body"),
+    ("/tokenize", lambda: {"content": "hello " * 450_000}, "2.7MB-text"),
+    ("/tokenize", lambda: {"content": "hello " * 450_000, "with_pieces": True}, "2.7MB-text-pieces"),
+    ("/detokenize", lambda: {"tokens": [2] * 200_000}, "200k-tokens"),
+    ("/completion", lambda: {"prompt": "hello " * 500_000, "n_predict": 2}, "3MB-prompt"),
+    ("/v1/chat/completions", lambda: {"messages": [{"role": "user", "content": "x" * 2_000_000}], "max_tokens": 2}, "2MB-message"),
+    ("/completion", lambda: {"prompt": "hi", "n_predict": 2, "x": "a" * 50_000_000}, "50MB-body"),
+    ("/completion", lambda: {"prompt": "hi", "n_predict": 2, "x": "a" * 105_000_000}, "105MB-body"),
 ]
 
 
@@ -339,7 +342,7 @@ def generate(seed: int, n: int) -> list[Case]:
             cases.append(Case(i, f"POST {route.path} {' '.join(descs)}", path=path, body=json.dumps(body).encode()))
         elif kind == "body":
             raw, what = rng.choice(BROKEN_BODIES)
-            if len(raw) > 1_000_000 and rng.random() < 0.8:
+            if callable(raw) and rng.random() < 0.8:
                 continue  # keep the big ones rare
             cases.append(Case(i, f"POST {route.path} body:{what}", path=path, body=raw))
         elif kind == "route":
@@ -353,8 +356,8 @@ def generate(seed: int, n: int) -> list[Case]:
                 cases.append(Case(i, f"{m} {route.path} method", method=m, path=path,
                                   body=None if m in ("GET", "HEAD") else json.dumps(base).encode()))
         elif kind == "big":
-            path, body, what = rng.choice(BIG)
-            cases.append(Case(i, f"POST {path} big:{what}", path=path, body=json.dumps(body).encode()))
+            path, make, what = rng.choice(BIG)
+            cases.append(Case(i, f"POST {path} big:{what}", path=path, body=lambda make=make: json.dumps(make()).encode()))
         elif kind == "get":
             p = rng.choice(GET_ROUTES)
             cases.append(Case(i, f"GET {p}", method="GET", path=p))
