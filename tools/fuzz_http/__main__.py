@@ -30,6 +30,7 @@ from .wire import Answer, abandon, exchange, pipeline, request_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT = 90.0
+MALFORMED_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 20.0
 
 
@@ -123,7 +124,7 @@ def run_case(case: gen.Case, srv: Server) -> dict:
                      gap=0.08 if case.wire == "slow" else 0.0)
         return summarize(a)
     if case.wire == "raw":
-        return summarize(exchange(port, case.raw, CASE_TIMEOUT))
+        return summarize(exchange(port, case.raw, CASE_TIMEOUT if case.complete else MALFORMED_TIMEOUT))
     if case.wire == "idle":
         # a client that sends half a request and waits must not keep others out
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
