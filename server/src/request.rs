@@ -492,15 +492,76 @@ fn grammar(ev: &mut Eval<'_>, body: &Map<String, Value>) -> Result<(), String> {
             schema = json!({"type": "object"});
         }
         let g = (ev.ctx.schema_to_grammar)(&schema).map_err(|e| format!("\"json_schema\": {e}"))?;
+        check_repetitions(&g).map_err(|e| format!("\"json_schema\": {e}"))?;
         ev.set("grammar", json!(g));
         ev.set("grammar_type", json!(GRAMMAR_OUTPUT_FORMAT));
         return Ok(());
     }
     let g = lenient(body, "grammar", |v| get_str(v).map(String::from), String::new());
     if !g.is_empty() {
+        check_repetitions(&g)?;
         let tool_calls = lenient(body, "grammar_type", get_str, "") == "tool_calls";
         ev.set("grammar", json!(g));
         ev.set("grammar_type", json!(if tool_calls { GRAMMAR_TOOL_CALLS } else { GRAMMAR_USER }));
+    }
+    Ok(())
+}
+
+/// Refuses a GBNF repetition `{m,n}` with n < m. llama.cpp's grammar parser counts the optional
+/// copies as n - m in an unsigned integer, so it adds rules until the process runs out of memory
+/// (llama-server is killed); a JSON schema with minLength above maxLength produces one too.
+pub fn check_repetitions(grammar: &str) -> Result<(), String> {
+    let b = grammar.as_bytes();
+    let mut i = 0;
+    let int = |i: &mut usize| -> Option<u128> {
+        let start = *i;
+        while *i < b.len() && b[*i].is_ascii_digit() {
+            *i += 1;
+        }
+        (*i > start).then(|| grammar[start..*i].parse::<u128>().unwrap_or(u128::MAX))
+    };
+    let space = |i: &mut usize| {
+        while *i < b.len() && matches!(b[*i], b' ' | b'\t' | b'\r' | b'\n') {
+            *i += 1;
+        }
+    };
+    while i < b.len() {
+        match b[i] {
+            // a literal, a character class or a token: skip to its end, escapes included
+            open @ (b'"' | b'[' | b'<') => {
+                let close = match open {
+                    b'"' => b'"',
+                    b'[' => b']',
+                    _ => b'>',
+                };
+                i += 1;
+                while i < b.len() && b[i] != close {
+                    i += if b[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'#' => {
+                while i < b.len() && b[i] != b'\n' && b[i] != b'\r' {
+                    i += 1;
+                }
+            }
+            b'{' => {
+                i += 1;
+                space(&mut i);
+                let Some(min) = int(&mut i) else { continue };
+                space(&mut i);
+                if i < b.len() && b[i] == b',' {
+                    i += 1;
+                    space(&mut i);
+                    if let Some(max) = int(&mut i) {
+                        if max < min {
+                            return Err(format!("grammar repetition {{{min},{max}}} has a maximum below its minimum"));
+                        }
+                    }
+                }
+            }
+            _ => i += 1,
+        }
     }
     Ok(())
 }
@@ -842,6 +903,18 @@ mod tests {
         assert_eq!(err, "Field 'grammar_triggers': [json.exception.type_error.304] cannot use at() with number");
         let err = eval_plain(json!({"grammar_lazy": true, "grammar_triggers": []})).unwrap_err();
         assert_eq!(err, "Field 'grammar_triggers': Error: no triggers set for lazy grammar!");
+    }
+
+    #[test]
+    fn repetitions_whose_maximum_is_below_the_minimum_are_refused() {
+        assert!(check_repetitions("root ::= \"a\"{5,2}").unwrap_err().contains("{5,2}"));
+        assert!(check_repetitions("root ::= [a-z]{ 3 , 1 } x").is_err());
+        for fine in ["root ::= \"a\"{2,5}", "root ::= \"a\"{3}", "root ::= \"a\"{3,}", "root ::= \"{5,2}\"",
+                     "root ::= [{5,2}]", "root ::= \"\\\"{5,2}\"", "# {5,2}\nroot ::= \"a\""] {
+            assert_eq!(check_repetitions(fine), Ok(()), "{fine}");
+        }
+        let err = eval_plain(json!({"grammar": "root ::= \"a\"{9,1}"})).unwrap_err();
+        assert_eq!(err, "Field 'grammar': grammar repetition {9,1} has a maximum below its minimum");
     }
 
     #[test]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -40,6 +41,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Each server's address space: a case that makes llama.cpp allocate without end (a grammar
+# repetition {5,2} in upstream) fails that server's allocation instead of waking the kernel's
+# OOM killer, which may pick the other server or the fuzzer.
+ADDRESS_SPACE = 8 << 30
+
+
+def limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+
 class Server:
     def __init__(self, name: str, binary: Path, args: list[str], workdir: Path):
         self.name, self.binary, self.args = name, binary, args
@@ -56,7 +67,7 @@ class Server:
                "--port", str(self.port)]
         with open(self.log, "ab") as log:
             log.write(f"\n==> start {self.starts}: {' '.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, preexec_fn=limit_memory)
         self.starts += 1
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -115,6 +126,11 @@ class Server:
         self.start()
 
 
+# What a /slots entry always shows; the rest describes the task the slot ran last, which depends
+# on the server's history (a restart after a crash empties it) more than on the request.
+SLOT_KEYS = {"id", "n_ctx", "speculative", "is_processing"}
+
+
 def run_case(case: gen.Case, srv: Server) -> dict:
     port = srv.port
     if case.wire in ("http", "slow"):
@@ -122,7 +138,10 @@ def run_case(case: gen.Case, srv: Server) -> dict:
         data = request_bytes(case.method, case.path, body, case.headers)
         a = exchange(port, data, CASE_TIMEOUT, pieces=12 if case.wire == "slow" else 1,
                      gap=0.08 if case.wire == "slow" else 0.0)
-        return summarize(a)
+        s = summarize(a)
+        if case.method == "GET" and case.path.startswith("/slots") and isinstance(s.get("shape"), list):
+            s["shape"] = [{k: v for k, v in slot.items() if k in SLOT_KEYS} for slot in s["shape"] if isinstance(slot, dict)]
+        return s
     if case.wire == "raw":
         return summarize(exchange(port, case.raw, CASE_TIMEOUT if case.complete else MALFORMED_TIMEOUT))
     if case.wire == "idle":

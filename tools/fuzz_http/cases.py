@@ -34,6 +34,7 @@ SCHEMAS = [{"$ref": "#/definitions/nope"}, {"$ref": "#"}, "string", 5, None, [],
            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
            {"type": "object", "additionalProperties": 7}, {"type": "string", "format": "date-time"},
            {"type": "string", "minLength": 100000}, {"const": {"a": [1, {"b": None}]}}, {"allOf": "x"},
+           {"type": "string", "minLength": 5, "maxLength": 2}, {"type": "array", "items": {"type": "integer"}, "minItems": 4, "maxItems": 2},
            {"type": "object", "properties": []}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, {}]
 
 GRAMMARS = ["root ::= \"a\"", "root ::= ", "root ::= undefined_rule", "((((", "root ::= [a-", "root ::= \"a\" root",
