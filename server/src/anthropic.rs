@@ -342,7 +342,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
                     })));
                     out.push(event("message_stop", json!({"type": "message_stop"})));
                 }
-                Event::Embedding(_) => {}
+                Event::Begin | Event::Embedding(_) => {}
                 Event::Error(e) => out.push(event("error", e.body()["error"].clone())),
             }
             out

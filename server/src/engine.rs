@@ -234,6 +234,9 @@ pub struct Embedding {
 
 #[derive(Debug)]
 pub enum Event {
+    /// A streamed task has passed its checks and starts: the answer's status is 200 from here
+    /// on, and a later failure is an error event in the stream (llama-server's is_begin).
+    Begin,
     Partial(Partial),
     Final(Box<Final>),
     Embedding(Embedding),
@@ -840,6 +843,17 @@ impl Active {
 
     /// A prompt-progress chunk for a streamed task that asked for one; false if the client
     /// is gone.
+    /// At the slot's start: a streamed task's first event, the 0% progress chunk with
+    /// return_progress, else Begin. False when the client has gone.
+    fn begin(&self, id_slot: usize, n_cache: usize) -> bool {
+        let p = &self.task.params;
+        match (p.stream, p.return_progress) {
+            (true, true) => self.send_progress(id_slot, n_cache),
+            (true, false) => self.task.events.send(Event::Begin).is_ok(),
+            (false, _) => true,
+        }
+    }
+
     fn send_progress(&self, id_slot: usize, n_cache: usize) -> bool {
         let p = &self.task.params;
         if !(p.stream && p.return_progress) {
@@ -1474,7 +1488,7 @@ impl<'m> Engine<'m> {
         active.alora = alora;
         slot.active = Some(active);
         let a = slot.active.as_ref().expect("just started");
-        if !a.send_progress(id, keep) {
+        if !a.begin(id, keep) {
             self.release(id);
         }
     }

@@ -716,7 +716,7 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
             let v = final_json_with_probs(f, &alias, &prompt, post);
             vec![select_fields(v, &fields)]
         }
-        Event::Embedding(_) => Vec::new(),
+        Event::Begin | Event::Embedding(_) => Vec::new(),
         Event::Error(e) => vec![e.body()],
     };
     if stream {
@@ -734,7 +734,7 @@ pub async fn collect_values(
     let mut results: Vec<Option<Value>> = vec![None; n];
     while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
-            Event::Partial(_) => {}
+            Event::Begin | Event::Partial(_) => {}
             Event::Error(e) => return Err(e),
             ev @ Event::Final(_) => {
                 let Event::Final(f) = &ev else { unreachable!() };

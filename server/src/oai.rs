@@ -114,7 +114,7 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
                 "usage": usage(f),
                 "id": id,
             }))],
-            Event::Embedding(_) => Vec::new(),
+            Event::Begin | Event::Embedding(_) => Vec::new(),
             Event::Error(e) => vec![e.body()],
         }
     };
@@ -543,7 +543,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     }
                     out
                 }
-                Event::Embedding(_) => Vec::new(),
+                Event::Begin | Event::Embedding(_) => Vec::new(),
             Event::Error(e) => vec![e.body()],
             }
         };

@@ -438,7 +438,7 @@ pub async fn responses(AxState(app): AxState<App>, body: Bytes) -> Result<Respon
                     let msg = parse(&s.text, false, &mut s.call_ids);
                     s.finish(f, &msg)
                 }
-                Event::Error(_) | Event::Embedding(_) => Vec::new(),
+                Event::Begin | Event::Error(_) | Event::Embedding(_) => Vec::new(),
             }
         };
         return stream_response(rx, 1, render, Sse::Responses).await;

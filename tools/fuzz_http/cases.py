@@ -271,8 +271,8 @@ class Case:
 
 def _short(v) -> str:
     s = json.dumps(v, ensure_ascii=True)
-    if len(s) > 48:
-        s = s[:40] + f"..({len(s)})"
+    if len(s) > 120:
+        s = s[:100] + f"..({len(s)})"
     return s
 
 
