@@ -43,26 +43,21 @@ impl Sampler {
     /// Returns the samples (at least one; the matched draft tokens, then the first new token),
     /// all already accepted by the sampler.
     pub fn sample_and_accept_n(&mut self, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Result<Vec<Token>> {
-        assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
-        let mut out = vec![0 as Token; idxs.len()];
-        let n = call(|err| {
-            // SAFETY: idxs has draft.len() + 1 entries, out has room for as many; the indices
-            // refer to outputs of the last decode.
-            let n = unsafe {
+        verify(idxs, draft, |out, err| {
+            // SAFETY: idxs has draft.len() + 1 entries, out room for as many; the indices refer
+            // to outputs of the last decode.
+            unsafe {
                 sys::strata_sampler_sample_and_accept_n(
                     self.ptr.as_ptr(),
                     ctx.as_ptr(),
                     idxs.as_ptr(),
                     draft.as_ptr(),
                     draft.len() as i32,
-                    out.as_mut_ptr(),
+                    out,
                     err,
                 )
-            };
-            (n >= 0).then_some(n as usize)
-        })?;
-        out.truncate(n);
-        Ok(out)
+            }
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::strata_sampler {
@@ -124,6 +119,19 @@ impl Sampler {
         // SAFETY: valid sampler.
         unsafe { sys::strata_sampler_seed(self.ptr.as_ptr()) }
     }
+}
+
+/// A draft verification through the shim: `f` writes at most draft.len() + 1 accepted tokens to
+/// its buffer and returns how many (-1 with `err` set on failure).
+pub(crate) fn verify(idxs: &[i32], draft: &[Token], f: impl FnOnce(*mut Token, *mut *mut std::ffi::c_char) -> i32) -> Result<Vec<Token>> {
+    assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
+    let mut out = vec![0 as Token; idxs.len()];
+    let n = call(|err| {
+        let n = f(out.as_mut_ptr(), err);
+        (n >= 0).then_some(n as usize)
+    })?;
+    out.truncate(n.min(idxs.len()));
+    Ok(out)
 }
 
 /// The sampling settings a task with `overrides` (as for [`Sampler::new`]) runs with, under

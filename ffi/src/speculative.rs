@@ -146,11 +146,9 @@ impl Speculative {
 
     /// As [`Sampler::sample_and_accept_n`], with synthetic acceptance.
     pub fn accept_synth(&mut self, seq: i32, sampler: &mut Sampler, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Result<Vec<Token>> {
-        assert_eq!(idxs.len(), draft.len() + 1, "one batch index per draft token, plus the last sampled one");
-        let mut out = vec![0 as Token; idxs.len()];
-        let n = call(|err| {
+        crate::sampler::verify(idxs, draft, |out, err| {
             // SAFETY: as sample_and_accept_n; out has room for draft.len() + 1 tokens.
-            let n = unsafe {
+            unsafe {
                 sys::strata_speculative_accept_synth(
                     self.ptr.as_ptr(),
                     seq,
@@ -159,14 +157,11 @@ impl Speculative {
                     idxs.as_ptr(),
                     draft.as_ptr(),
                     draft.len() as i32,
-                    out.as_mut_ptr(),
+                    out,
                     err,
                 )
-            };
-            (n >= 0).then_some(n as usize)
-        })?;
-        out.truncate(n);
-        Ok(out)
+            }
+        })
     }
 
     /// The most tokens one draft can hold.
