@@ -54,6 +54,8 @@ pub struct ExpertConfig {
     pub record: Option<PathBuf>,
     /// Whether a hot tier is wanted (every expert flag but --expert-profile-out alone).
     pub hot_tier: bool,
+    /// STRATA_PREFILL_RING: slots of the prefill ring (None: sized automatically; 0: off).
+    pub ring_slots: Option<usize>,
 }
 
 fn value<'a>(a: &'a StrataArgs, name: &str) -> Option<&'a str> {
@@ -90,6 +92,10 @@ impl ExpertConfig {
             pool_workers: number(a, "--pool-workers")?.unwrap_or(0),
             vram_reserve_mib: number(a, "--vram-reserve-mib")?.unwrap_or(0),
             pcie_frac: number(a, "--pcie-frac")?.unwrap_or(0.0),
+            ring_slots: match std::env::var("STRATA_PREFILL_RING") {
+                Ok(v) if !v.trim().is_empty() => Some(v.trim().parse().map_err(|_| format!("STRATA_PREFILL_RING: invalid value '{v}': expected a number of slots (0 turns the ring off)"))?),
+                _ => None,
+            },
             record: value(a, "--expert-profile-out").map(PathBuf::from),
             hot_tier,
         };
@@ -217,6 +223,44 @@ fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
     hot
 }
 
+/// Ring bytes allowed at most, as a share of the hot tier's budget, when the ring is sized
+/// automatically: layers with more cold experts than that keep the prompt path without it.
+const RING_MAX_SHARE: f64 = 0.25;
+/// Unmapped tail of each window (the device maps in 2 MiB granules), per matrix and layer.
+const WINDOW_SLACK: u64 = 2 << 20;
+
+/// Slots per half of the prefill ring (0: none), re-choosing `hot` within what the ring leaves
+/// of an automatic budget. STRATA_PREFILL_RING=N gives N slots; unset, a half holds the largest
+/// cold tier of a layer (within RING_MAX_SHARE of the budget).
+fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>) -> usize {
+    let cfg = &p.cfg;
+    let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
+    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || emulate) {
+        return 0;
+    }
+    let expert_bytes = p.layout.layers.iter().map(|l| l.expert_bytes()).max().unwrap_or(0);
+    let n_expert = u64::from(p.layout.n_expert);
+    let max_cold = |hot: &[(i32, Vec<u32>)]| hot.iter().map(|(_, h)| n_expert - h.len() as u64).max().unwrap_or(0);
+    let slack = 3 * WINDOW_SLACK * p.layout.layers.len() as u64;
+    let cost = |half: u64| 2 * half * expert_bytes + slack;
+    let auto_budget = budget != u64::MAX && max == u64::MAX;
+    let mut half = match cfg.ring_slots {
+        Some(n) => (n / 2) as u64,
+        None => max_cold(hot),
+    };
+    if cfg.ring_slots.is_none() && auto_budget {
+        let cap = ((budget as f64 * RING_MAX_SHARE) as u64).saturating_sub(slack) / (2 * expert_bytes.max(1));
+        for _ in 0..3 {
+            half = max_cold(hot).min(cap);
+            *hot = choose(p, budget.saturating_sub(cost(half)), max);
+        }
+        half = max_cold(hot).min(cap);
+    } else if auto_budget {
+        *hot = choose(p, budget.saturating_sub(cost(half)), max);
+    }
+    half as usize
+}
+
 /// Per layer, the profile's share of selections that the chosen hot experts miss.
 fn cold_shares(prof: &Profile, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, f64)> {
     hot.iter()
@@ -277,7 +321,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
             CacheSize::Auto => (0, 0),
         }
     };
-    let hot = choose(p, budget, max);
+    let mut hot = choose(p, budget, max);
+    let ring_half = ring_half(p, budget, max, &mut hot);
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
@@ -311,6 +356,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         n_used: p.layout.n_expert_used as usize,
         cold_share,
         pcie_frac: cfg.pcie_frac,
+        ring_half,
     };
     let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
@@ -354,6 +400,13 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
             (n, _) => format!("a pool of {n} workers"),
         } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" }
     ));
+    match (&placement.ring, ring_half) {
+        (Some(line), _) => strata_ffi::log_info(&format!("srv  load_model: {line}\n")),
+        (None, 0) if cfg.hot_tier && cfg.ring_slots != Some(0) && !moe::has_gpu() => {
+            strata_ffi::log_info("srv  load_model: prefill ring: off (no GPU); prompt batches compute cold experts as before\n")
+        }
+        _ => {}
+    }
     let recorder = cfg.record.clone().map(|path| Recorder {
         path,
         model: model.clone(),
@@ -394,6 +447,17 @@ pub fn metrics_text() -> String {
          # TYPE strata:expert_uploads_total counter\nstrata:expert_uploads_total {}\n",
         moe::uploads()
     );
+    if let Some(r) = moe::ring_stats() {
+        let mut one = |name: &str, kind: &str, help: &str, v: u64| {
+            out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
+        };
+        one("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes);
+        one("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch);
+        one("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits);
+        one("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills);
+        one("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls);
+        one("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches);
+    }
     out
 }
 

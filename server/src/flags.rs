@@ -77,7 +77,7 @@ pub const FLAGS: &[Flag] = &[
 pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP" },
     EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)" },
-    EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots in the prefill expert-streaming ring" },
+    EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)" },
     EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD" },
 ];
 

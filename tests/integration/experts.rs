@@ -166,6 +166,77 @@ fn split_experts_match_the_unsplit_model() {
     assert_same(&ref_long, &generate(&resident, LONG), "RAM copy, one expert per column, long prompt");
 }
 
+fn counter(s: &Server, name: &str) -> u64 {
+    let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    let key = format!("strata:{name} ");
+    text.lines().find_map(|l| l.strip_prefix(&key)).unwrap_or_else(|| panic!("no {key} in\n{text}")).parse().unwrap()
+}
+
+#[test]
+fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
+    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
+    drop(reference);
+
+    // Cold experts from the mapping through the staging buffer; a half holds a whole layer.
+    let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "32")];
+    let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &env);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("prefill ring: 32 slots in two halves (emulated on the CPU"), "{log}");
+    assert!(log.contains("4 of 4 tiered layers windowed"), "{log}");
+    assert!(log.contains("cost model: copy"), "{log}");
+    assert_same(&ref_short, &generate(&s, SHORT), "ring, short prompt");
+    assert_same(&ref_long, &generate(&s, LONG), "ring, long prompt");
+    let batches = counter(&s, "prefill_ring_batches_total");
+    assert!(batches >= 1, "the long prompt's batch took the ring");
+    let (fills, bytes) = (counter(&s, "prefill_ring_fills_total"), counter(&s, "prefill_ring_h2d_bytes_total"));
+    assert!(fills > 0 && bytes > 0, "fills {fills}, bytes {bytes}");
+    let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(counter(&s, "prefill_ring_h2d_bytes_last_batch") > 0, "{text}");
+    // Again: the prefetch of each next layer now finds some of its experts already in the ring.
+    assert_same(&ref_long, &generate(&s, LONG), "ring, long prompt again");
+    assert!(counter(&s, "prefill_ring_batches_total") > batches);
+    assert!(counter(&s, "prefill_ring_hits_total") > 0, "prefetched experts were used");
+    drop(s);
+
+    // A RAM copy (pageable: gathered into the staging buffer) and one that takes the ring directly.
+    let dir = tmp("ring");
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 64 << 20);
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "40")];
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+    let s = Server::start(&args, &env);
+    assert_same(&ref_long, &generate(&s, LONG), "ring from the RAM copy, long prompt");
+    assert_same(&ref_short, &generate(&s, SHORT), "ring from the RAM copy, short prompt");
+    assert!(counter(&s, "prefill_ring_batches_total") >= 1);
+    drop(s);
+
+    // A half smaller than a layer's cold tier: the most-selected cold experts take the ring, the
+    // rest go to the zero pads on the device and to the CPU (its own ops, or the worker pool).
+    for workers in ["0", "2"] {
+        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8")];
+        let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", workers], &env);
+        let log = s.log.lock().unwrap().clone();
+        assert!(log.contains("prefill ring: 8 slots in two halves") && log.contains("4 of 4 tiered layers windowed"), "{log}");
+        assert_same(&ref_long, &generate(&s, LONG), &format!("ring of 8 slots, {workers} workers, long prompt"));
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("ring of 8 slots, {workers} workers, short prompt"));
+        assert!(counter(&s, "prefill_ring_batches_total") >= 1);
+        assert!(metric(&s, "expert_selections_total", "mmap") > 0, "the CPU part counted its selections");
+        drop(s);
+    }
+
+    // Without a GPU and without emulation the ring is off and says so; 0 turns it off.
+    let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &[]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("prefill ring: off (no GPU)"), "{log}");
+    drop(s);
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_PREFILL_RING", "many")]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("STRATA_PREFILL_RING: invalid value 'many'"), "{}", out.stderr);
+}
+
 #[test]
 fn a_recorded_profile_ranks_every_expert_and_is_tied_to_the_model() {
     let dir = tmp("profile");

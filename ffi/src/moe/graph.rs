@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, pool, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
+use super::{kernels, pool, ring, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
 use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
@@ -158,6 +158,45 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         count();
         return None;
     }
+    // The prefill ring: one mul_mat_id over the window, hot slots and ring slots together.
+    // Cold experts the ring's half has no room for go to the zero pads and to the CPU part.
+    if prompt && lt.ring_preferred(n_tok) {
+        let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.n_cold > r.half);
+        let mut srcs = vec![sel];
+        // SAFETY: the cold down tensor is a live weight tensor.
+        srcs.extend(lt.cold_tensors.down.filter(|&t| unsafe { !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer) }));
+        let fill = if overflow { ring::fill_only } else { ring::fill };
+        let ids = g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(fill), 1, lt);
+        g.expand(ids);
+        let cold_srcs = [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
+        let ticket = (overflow && lt.cold_threads > 0).then(|| {
+            let mut srcs = vec![args.cur, sel, args.weights, ids];
+            srcs.extend(cold_srcs.clone());
+            let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
+            g.expand(t);
+            t
+        });
+        let experts = g.ffn(lt.window.as_ref()?, ids, act, false)?;
+        g.expand(experts);
+        let out = weighted_sum(&g, experts, n_embd, n_tok, n_used);
+        let cold_sum = match (overflow, ticket) {
+            (false, _) => None,
+            (true, Some(t)) => Some(g.custom([n_embd, n_tok, 1], &mut [t], Some(pool::join), 1, lt)),
+            (true, None) => {
+                let mut a_srcs = vec![args.cur, sel, ids];
+                a_srcs.extend(cold_srcs);
+                let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
+                let mut b_srcs = vec![h, sel, args.weights, ids];
+                b_srcs.extend(lt.cold_tensors.down);
+                Some(g.custom([n_embd, n_tok, 1], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
+            }
+        };
+        // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
+        return NonNull::new(match cold_sum {
+            Some(c) => unsafe { sys::ggml_add(g.ctx, out, c) },
+            None => out,
+        });
+    }
     let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.cold_on_cpu(n_tok));
     // The CPU ops read the routing weights only for the weighted (prompt) form; otherwise sel
     // stands in as that source, which the scheduler then copies from the GPU once, not twice.
@@ -244,9 +283,20 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         (h, c) => h.or(c),
     };
 
+    let weighted = experts.map(|experts| weighted_sum(&g, experts, n_embd, n_tok, n_used));
+    let out = match (weighted, cold_sum) {
+        // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
+        (Some(w), Some(c)) => unsafe { sys::ggml_add(g.ctx, w, c) },
+        (w, c) => w.or(c)?,
+    };
+    NonNull::new(out)
+}
+
+/// sum_k weights_k * experts_k over the routing positions, [n_embd, n_tok], in llama.cpp's order.
+fn weighted_sum(g: &G<'_>, experts: T, n_embd: i64, n_tok: i64, n_used: i64) -> T {
     // SAFETY: graph tensors of matching shapes; the sum mirrors llama.cpp's build_moe_ffn.
-    let weighted = experts.map(|experts| unsafe {
-        let experts = sys::ggml_mul(g.ctx, experts, args.weights);
+    unsafe {
+        let experts = sys::ggml_mul(g.ctx, experts, g.args.weights);
         g.expand(experts);
         let view = |i: i64| sys::ggml_view_2d(g.ctx, experts, n_embd, n_tok, (*experts).nb[2], i as usize * (*experts).nb[1]);
         let views: Vec<T> = (0..n_used).map(view).collect();
@@ -262,11 +312,5 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             out = sys::ggml_cont(g.ctx, out);
         }
         out
-    });
-    let out = match (weighted, cold_sum) {
-        // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
-        (Some(w), Some(c)) => unsafe { sys::ggml_add(g.ctx, w, c) },
-        (w, c) => w.or(c)?,
-    };
-    NonNull::new(out)
+    }
 }

@@ -140,6 +140,11 @@ pub(crate) unsafe fn src_opt<'a>(dst: *mut sys::ggml_tensor, i: usize) -> Option
 
 /// Which selections the upload op sent to the staging slots (ids below the slot count).
 pub(crate) fn uploaded(lt: &LayerTiers, ids_t: Option<&sys::ggml_tensor>) -> Vec<bool> {
+    // A prompt batch's ids come from the prefill ring: a cold selection sent to a pad stays here.
+    if let (Some(t), Some(hot_pads)) = (ids_t.filter(|t| t.ne[1] >= super::OFFLOAD_MIN_BATCH), lt.ring_pads()) {
+        // SAFETY: the fill op's output is contiguous i32.
+        return unsafe { ids(t) }.iter().map(|&s| !hot_pads.contains(&s)).collect();
+    }
     match (ids_t, lt.staging.as_ref()) {
         // SAFETY: the upload op's output is contiguous i32.
         (Some(t), Some(st)) => unsafe { ids(t) }.iter().map(|&s| (s as usize) < st.slots).collect(),

@@ -15,6 +15,7 @@
 mod graph;
 mod kernels;
 mod pool;
+pub mod ring;
 
 use std::collections::HashMap;
 use std::ptr::null_mut;
@@ -107,6 +108,9 @@ pub struct Plan {
     /// Share of each decode step's cold selections uploaded to staging slots instead of computed
     /// on the CPU (0: none).
     pub pcie_frac: f64,
+    /// Slots per half of the prefill ring (0: no ring). Layers with more cold experts than a
+    /// half keep the prompt path without it.
+    pub ring_half: usize,
 }
 
 /// Experts and bytes per tier after placement.
@@ -120,6 +124,8 @@ pub struct Placement {
     pub host_ops: bool,
     /// Workers of the cold-expert pool (0: none).
     pub workers: usize,
+    /// The prefill ring, when one was built: a line for the start-up log.
+    pub ring: Option<String>,
 }
 
 /// Selections counted per tier and per expert since the model was attached.
@@ -222,7 +228,11 @@ pub(crate) struct LayerTiers {
     pub pcie_frac: f64,
     /// The cold selections run as one host op (`pool::step`) instead of CPU-backend ops.
     pub host_op: bool,
-    pub tally: Tally,
+    pub tally: Arc<Tally>,
+    /// The window tensors ([hot slots | pads | ring], patches/0003) and the ring with this
+    /// layer's index in it, when prompt batches may use the prefill ring.
+    pub window: Option<Mats<T>>,
+    pub ring: Option<(Arc<ring::Ring>, usize)>,
     _owned: Owned,
 }
 
@@ -246,6 +256,17 @@ impl LayerTiers {
         self.activation.store(a as u8, Ordering::Relaxed);
     }
 
+    /// The window slots of the zero pads when prompt batches may take the ring.
+    pub(crate) fn ring_pads(&self) -> Option<std::ops::Range<i32>> {
+        let (ring, i) = self.ring.as_ref()?;
+        let first = ring.first_slot(*i)? as i32;
+        Some(first - self.n_used as i32..first)
+    }
+
+    pub(crate) fn n_expert(&self) -> usize {
+        self.cold_rows.len()
+    }
+
     pub(crate) fn cold_row(&self, e: i32) -> Option<usize> {
         let row = *self.cold_rows.get(usize::try_from(e).ok()?)?;
         usize::try_from(row).ok()
@@ -255,10 +276,44 @@ impl LayerTiers {
     /// decode does) rather than as a second mul_mat_id pass that uploads the used cold experts:
     /// yes while the expected cold (token, expert) pairs are few for the workers.
     pub(crate) fn cold_on_cpu(&self, n_tok: i64) -> bool {
-        let (hot, cold) = (self.tally.hits[Tier::Hot as usize].load(Ordering::Relaxed), self.tally.hits[self.cold_tier as usize].load(Ordering::Relaxed));
-        let share = if hot + cold >= COLD_SHARE_MIN_COUNT { cold as f64 / (hot + cold) as f64 } else { self.cold_share_prior };
-        let expected = n_tok as f64 * self.n_used as f64 * share;
+        let expected = n_tok as f64 * self.n_used as f64 * self.cold_share();
         expected <= (COLD_PAIRS_PER_WORKER * self.cold_threads.max(COLD_MIN_WORKERS)) as f64
+    }
+
+    /// The share of selections that miss the hot tier: the layer's own once it has counted
+    /// enough, the profile's before.
+    fn cold_share(&self) -> f64 {
+        let (hot, cold) = (self.tally.hits[Tier::Hot as usize].load(Ordering::Relaxed), self.tally.hits[self.cold_tier as usize].load(Ordering::Relaxed));
+        if hot + cold >= COLD_SHARE_MIN_COUNT {
+            cold as f64 / (hot + cold) as f64
+        } else {
+            self.cold_share_prior
+        }
+    }
+
+    /// Whether a prompt batch of `n_tok` tokens takes the prefill ring: the layer has a window
+    /// and the cost model (copy rate, CPU rate, measured at start-up) finds copying the
+    /// expected distinct cold experts quicker than computing the cold pairs on the CPU.
+    pub(crate) fn ring_preferred(&self, n_tok: i64) -> bool {
+        let Some((ring, i)) = self.ring.as_ref().filter(|_| self.window.is_some()) else { return false };
+        let on = self.ring_cheaper(ring, n_tok);
+        ring.set_active(*i, on);
+        on
+    }
+
+    fn ring_cheaper(&self, ring: &ring::Ring, n_tok: i64) -> bool {
+        let Some(cost) = *ring.cost.lock().unwrap_or_else(|e| e.into_inner()) else { return true };
+        let draws = n_tok as f64 * self.n_used as f64;
+        let pairs = draws * self.cold_share();
+        let total: u64 = self.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+        let distinct = if total >= COLD_SHARE_MIN_COUNT {
+            let q = (0..self.n_expert()).filter(|&e| self.cold_rows[e] >= 0).map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64);
+            ring::expected_distinct(q, draws)
+        } else {
+            let n_cold = self.n_cold.max(1) as f64;
+            ring::expected_distinct(std::iter::repeat(self.cold_share_prior / n_cold).take(self.n_cold), draws)
+        };
+        cost.prefers_ring(pairs, distinct)
     }
 }
 
@@ -400,6 +455,37 @@ pub fn hits() -> [u64; 3] {
 /// Cold experts uploaded to staging slots (`--pcie-frac`) over every tiered layer.
 pub fn uploads() -> u64 {
     REGISTRY.read().map_or(0, |r| r.as_ref().into_iter().flat_map(HashMap::values).map(|lt| lt.tally.uploads.load(Ordering::Relaxed)).sum())
+}
+
+/// Counters of the prefill ring, summed over the rings of every model (None: no ring).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RingCounters {
+    pub h2d_bytes: u64,
+    pub h2d_bytes_last_batch: u64,
+    pub hits: u64,
+    pub fills: u64,
+    pub stalls: u64,
+    pub batches: u64,
+}
+
+/// Every prefill ring built, for /metrics (dropped with the last layer that uses it).
+static RINGS: std::sync::Mutex<Vec<std::sync::Weak<ring::Ring>>> = std::sync::Mutex::new(Vec::new());
+
+pub fn ring_stats() -> Option<RingCounters> {
+    let mut rings = RINGS.lock().unwrap_or_else(|e| e.into_inner());
+    rings.retain(|w| w.strong_count() > 0);
+    let mut out = None::<RingCounters>;
+    for ring in rings.iter().filter_map(std::sync::Weak::upgrade) {
+        let s = &ring.stats;
+        let o = out.get_or_insert_with(RingCounters::default);
+        o.h2d_bytes += s.h2d_bytes.load(Ordering::Relaxed);
+        o.h2d_bytes_last_batch += s.h2d_bytes_last_batch.load(Ordering::Relaxed);
+        o.hits += s.hits.load(Ordering::Relaxed);
+        o.fills += s.fills.load(Ordering::Relaxed);
+        o.stalls += s.stalls.load(Ordering::Relaxed);
+        o.batches += s.batches.load(Ordering::Relaxed);
+    }
+    out
 }
 
 /// Selections per (layer, expert) of `model` since it was attached, by layer.
@@ -629,6 +715,88 @@ fn set_map(t: T, map: &[i32]) {
     unsafe { sys::ggml_backend_tensor_set(t, map.as_ptr().cast(), 0, std::mem::size_of_val(map)) };
 }
 
+/// Allocates a layer's windows: per matrix, `head_slots` experts of its own (hot experts, then
+/// pads) followed by the ring. Returns the window tensors ([head_slots + ring slots]) and the
+/// hot tensors over their first `head_slots` experts.
+fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i32, owned: &mut Owned) -> Result<(Mats<T>, Mats<T>), PlaceError> {
+    let a = Alloc::new(8);
+    owned.ctxs.push(a.ctx);
+    let mut kind = 0usize;
+    let mut err = None;
+    let mut pair = |t: T| -> Option<(T, T)> {
+        let m = kind;
+        kind += 1;
+        // SAFETY: t is a live 3-d model tensor.
+        let nb2 = unsafe { (*t).nb[2] };
+        let head = head_slots * nb2;
+        let ring_bytes = r.ring_bytes(m).unwrap_or(2 * half * nb2);
+        let Some(mem) = r.window(m, head, ring_bytes) else {
+            err = Some(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: (head + ring_bytes) as u64, device: "the hot tier's device".into() });
+            return None;
+        };
+        let buf = match mem {
+            ring::WindowMem::Device(b) | ring::WindowMem::Host(b) => b,
+        };
+        owned.bufs.push(buf);
+        let win = a.like(t, head_slots + ring_bytes / nb2, &format!("blk.{il}.exps.window"));
+        let hot = a.like(t, head_slots, &format!("blk.{il}.exps.hot"));
+        // SAFETY: buf holds head + ring_bytes bytes from its base; both tensors start there and fit.
+        unsafe {
+            sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            let base = sys::ggml_backend_buffer_get_base(buf);
+            if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS {
+                err = Some(PlaceError::Alloc { what: format!("layer {il} expert window tensors"), bytes: (head + ring_bytes) as u64, device: "the hot tier's device".into() });
+                return None;
+            }
+        }
+        Some((win, hot))
+    };
+    let pairs = src.map(|t| pair(t));
+    match (pairs, err) {
+        (Some(p), None) => Ok((p.map(|(w, _)| Some(w)).expect("infallible"), p.map(|(_, h)| Some(h)).expect("infallible"))),
+        (_, Some(e)) => Err(e),
+        (None, None) => Err(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: 0, device: "the hot tier's device".into() }),
+    }
+}
+
+/// Starts the ring's copier, measures the copy and CPU rates that the cost model compares, and
+/// returns the start-up log line.
+fn start_ring(r: &Arc<ring::Ring>, entries: &[(usize, Arc<LayerTiers>)], dev: sys::ggml_backend_dev_t, gpu: bool, plan: &Plan, expert_bytes: usize) -> Result<String, PlaceError> {
+    let n_layers = entries.iter().filter(|(_, lt)| lt.ring.is_some()).count();
+    // SAFETY: valid device; NULL when it has no page-locked host memory.
+    let staging_buft = if gpu {
+        let b = unsafe { sys::ggml_backend_dev_host_buffer_type(dev) };
+        (!b.is_null()).then_some(b)
+    } else {
+        // SAFETY: the CPU device exists whenever the CPU backend is loaded.
+        Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) })
+    };
+    r.start(staging_buft, expert_bytes).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
+    let copy = r.measure_copy(64);
+    let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
+    let cpu = entries.iter().find(|(_, lt)| lt.ring.is_some()).and_then(|(_, lt)| ring::measure_cpu(lt, 16));
+    let source = match plan.cold {
+        ColdCopy::PinnedRam => "straight from the page-locked RAM copy",
+        ColdCopy::Ram => "through a page-locked staging buffer from the RAM copy",
+        ColdCopy::Mapped => "through a page-locked staging buffer from the file mapping",
+    };
+    let what = if r.emulated { "emulated on the CPU (STRATA_RING_EMULATE=1)".to_string() } else { format!("{:.2} GiB on the device", r.bytes as f64 / (1u64 << 30) as f64) };
+    let mut line = format!("prefill ring: {} slots in two halves ({what}), {n_layers} of {} tiered layers windowed, copies {source}", 2 * r.half, entries.len());
+    if let (Some(c), Some(p)) = (copy, cpu) {
+        let model = ring::CostModel { copy_bytes_per_s: c, cpu_pairs_per_s: p * workers, expert_bytes: expert_bytes as f64 };
+        *r.cost.lock().unwrap_or_else(|e| e.into_inner()) = Some(model);
+        line += &format!(
+            "; cost model: copy {:.1} GB/s, CPU {:.0} cold pairs/s ({:.0} per thread x {workers}); a prompt batch takes the ring when copying its expected cold experts is quicker than computing its cold pairs",
+            c / 1e9,
+            p * workers,
+            p
+        );
+    } else {
+        line += "; cost model not measured (no cold expert to time): prompt batches always take the ring";
+    }
+    Ok(line)
+}
+
 /// Places `plan` on `model`: allocates and fills the hot tier (and the RAM copy), registers the
 /// layers with the MoE hook. Layers without an entry in the plan are left to llama.cpp. Call
 /// before the first graph that should use the tiers is built.
@@ -668,6 +836,35 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         }
     };
     let mut placement = Placement { hot_device: dev_name.clone(), host_ops: host_op, workers, ..Default::default() };
+    let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
+    let ring = if plan.ring_half > 0 && !plan.count_only && (gpu || emulate) {
+        // One ring per matrix kind, as large as the widest layer's experts of that kind.
+        let mut max_nb2: Vec<usize> = Vec::new();
+        for (il, _) in &plan.hot {
+            if let Some(m) = expert_tensors(model.as_ptr(), *il) {
+                // SAFETY: live model tensors.
+                let nb2: Vec<usize> = m.iter().map(|t| unsafe { (*t).nb[2] }).collect();
+                if max_nb2.is_empty() {
+                    max_nb2 = nb2;
+                } else if max_nb2.len() == nb2.len() {
+                    max_nb2.iter_mut().zip(nb2).for_each(|(a, b)| *a = (*a).max(b));
+                }
+            }
+        }
+        let pinned = plan.cold == ColdCopy::PinnedRam;
+        if !gpu {
+            Some(ring::Ring::new_emulated(plan.ring_half, pinned))
+        } else {
+            let r = ring::Ring::new_device(dev, plan.ring_half, &max_nb2, pinned);
+            if r.is_none() {
+                placement.ring = Some(format!("prefill ring: off ({dev_name} has no expert windows: patches/0003 missing, no virtual memory management, or too little memory for {} slots)", 2 * plan.ring_half));
+            }
+            r
+        }
+    } else {
+        None
+    };
+    let mut max_expert_bytes = 0usize;
     let mut entries = Vec::new();
     for (il, hot_ids) in &plan.hot {
         let info = layers.iter().find(|l| l.layer == *il).ok_or(PlaceError::NoLayer(*il))?;
@@ -687,18 +884,28 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let mut owned = Owned::default();
 
         let copy = cold_buft.filter(|_| !cold_list.is_empty());
-        let n_cold = cold_list.len();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
         let a = Alloc::new(12);
         let n_used = plan.n_used.max(1);
-        let hot_mats = (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible"));
+        let n_cold = cold_list.len();
+        // With the ring, the hot experts and pads live in windows: [hot | pads | ring] per matrix.
+        let windowed = ring.as_ref().filter(|_| n_cold > 0 && (copy.is_some() || info.host));
+        let mut window = None;
+        let hot_mats = match windowed {
+            Some(r) => {
+                let (w, h) = windows(r, &src, n_hot + n_used, plan.ring_half, il, &mut owned)?;
+                window = Some(w);
+                (n_hot > 0).then_some(h)
+            }
+            None => (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible")),
+        };
         let hot_map = hot_mats.as_ref().map(|_| a.map_per_position(n_expert, n_used, &format!("blk.{il}.exps.hot_map")));
         let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
-        if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() {
+        if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
             a.commit(hot_buft, &mut owned, &format!("layer {il} hot experts"))?;
         } else {
             owned.ctxs.push(a.ctx);
@@ -781,6 +988,25 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // SAFETY: live tensor.
         let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
         let key = src.down.map_or(0, |t| t as usize);
+        let tally = Arc::new(Tally::new(n_expert));
+        let ring_entry = match (windowed, window.as_ref()) {
+            (Some(r), Some(w)) => {
+                let mut hot_slots = vec![-1i32; n_expert];
+                for (slot, &e) in hot_list.iter().enumerate() {
+                    hot_slots[e] = slot as i32;
+                }
+                // SAFETY: live tensors: the cold source (RAM copy or mapping) and the windows.
+                let (srcs, dsts) = unsafe {
+                    let srcs: Vec<(usize, usize)> = cold_tensors.iter().map(|t| ((*t).data as usize, (*t).nb[2])).collect();
+                    let dsts: Vec<usize> = w.iter().map(|t| (*t).data as usize + (n_hot + n_used) * (*t).nb[2]).collect();
+                    (srcs, dsts)
+                };
+                max_expert_bytes = max_expert_bytes.max(info.expert_bytes);
+                let idx = r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots, tally.clone(), n_used));
+                Some((r.clone(), idx))
+            }
+            _ => None,
+        };
         entries.push((key, Arc::new(LayerTiers {
             model: model.as_ptr() as usize,
             layer: *il,
@@ -803,9 +1029,17 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             staging,
             pcie_frac: plan.pcie_frac,
             host_op,
-            tally: Tally::new(n_expert),
+            tally,
+            window,
+            ring: ring_entry,
             _owned: owned,
         })));
+    }
+    if let Some(r) = ring.as_ref().filter(|_| !entries.iter().any(|(_, lt)| lt.ring.is_some())) {
+        placement.ring = Some(format!("prefill ring: off (no tiered layer's cold experts fit a half of the {} slots)", 2 * r.half));
+    } else if let Some(r) = ring.as_ref() {
+        placement.ring = Some(start_ring(r, &entries, dev, gpu, plan, max_expert_bytes)?);
+        RINGS.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(r));
     }
     let mut r = REGISTRY.write().expect("registry poisoned");
     let map = r.get_or_insert_with(HashMap::new);

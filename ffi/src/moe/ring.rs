@@ -1,0 +1,792 @@
+//! The prefill ring: prompt batches copy the cold experts a tiered layer uses into a ring of
+//! device slots shared by all tiered layers, and the layer runs one mul_mat_id over its hot
+//! slots and the ring together (docs/prefill-ring.md).
+//!
+//! Each tiered layer's hot experts live in a *window* (patches/0003): its own device memory
+//! followed by the ring, mapped into one virtual range, so `[hot | pads | ring]` is one tensor
+//! and the unchanged GPU kernels see an ordinary expert tensor. The ring has two halves; tiered
+//! layers take them in turn, so while one layer computes from its half, the copies of the next
+//! layer's likely experts fill the other (a prefetch issued when the layer's routing is known).
+//! The copies run on a copy stream from a page-locked source: the page-locked RAM copy itself,
+//! or one reusable page-locked staging buffer that a copier thread gathers pageable experts into.
+//!
+//! Without a GPU the ring is off. `STRATA_RING_EMULATE=1` builds it on the CPU instead (each
+//! layer's window is a host tensor with a ring of its own, copies are memcpy) so the slot
+//! accounting and the graph can be tested where there is no GPU.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use super::{kernels, LayerTiers, Tally};
+use crate::sys;
+
+/// Slots of the two halves of the ring: which (layer, expert) each holds. Pure bookkeeping,
+/// shared by the device ring and the CPU emulation.
+#[derive(Debug)]
+pub struct Slots {
+    half: usize,
+    /// Per half: the ring layer whose experts it holds (None: nothing valid), and per slot the
+    /// expert it holds (-1: none).
+    owner: [Option<usize>; 2],
+    content: [Vec<i32>; 2],
+}
+
+/// Where a batch's used cold experts sit in a half, and what had to be copied for them.
+#[derive(Debug, Default, PartialEq)]
+pub struct Placed {
+    /// (expert, slot within the half) for every wanted expert.
+    pub slot_of: Vec<(i32, usize)>,
+    /// (expert, slot) to copy now.
+    pub copies: Vec<(i32, usize)>,
+    /// Wanted experts that were already there (prefetched).
+    pub hits: usize,
+}
+
+impl Slots {
+    pub fn new(half: usize) -> Self {
+        Self { half, owner: [None, None], content: [vec![-1; half], vec![-1; half]] }
+    }
+
+    /// Slots per half.
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// Places `wanted` (distinct experts of ring layer `layer`) in half `h`: experts already
+    /// there stay, the others take slots that hold nothing wanted. None if they do not fit.
+    pub fn place(&mut self, h: usize, layer: usize, wanted: &[i32]) -> Option<Placed> {
+        if wanted.len() > self.half {
+            return None;
+        }
+        if self.owner[h] != Some(layer) {
+            self.content[h].iter_mut().for_each(|e| *e = -1);
+            self.owner[h] = Some(layer);
+        }
+        let content = &mut self.content[h];
+        let mut at: HashMap<i32, usize> = HashMap::with_capacity(content.len());
+        for (s, &e) in content.iter().enumerate() {
+            if e >= 0 {
+                at.insert(e, s);
+            }
+        }
+        let mut keep = vec![false; self.half];
+        let mut out = Placed::default();
+        let mut missing = Vec::new();
+        for &e in wanted {
+            match at.get(&e) {
+                Some(&s) => {
+                    keep[s] = true;
+                    out.slot_of.push((e, s));
+                    out.hits += 1;
+                }
+                None => missing.push(e),
+            }
+        }
+        let mut free = (0..self.half).filter(|&s| !keep[s]);
+        for e in missing {
+            let s = free.next()?;
+            content[s] = e;
+            out.slot_of.push((e, s));
+            out.copies.push((e, s));
+        }
+        Some(out)
+    }
+
+    /// Fills half `h` with `experts` of ring layer `layer` ahead of its batch (at most a half;
+    /// the rest are ignored). Returns the copies to make.
+    pub fn prefetch(&mut self, h: usize, layer: usize, experts: &[i32]) -> Vec<(i32, usize)> {
+        if self.owner[h] != Some(layer) {
+            self.content[h].iter_mut().for_each(|e| *e = -1);
+            self.owner[h] = Some(layer);
+        }
+        let content = &mut self.content[h];
+        let present: std::collections::HashSet<i32> = content.iter().copied().filter(|&e| e >= 0).collect();
+        let wanted: Vec<i32> = experts.iter().copied().take(self.half).collect();
+        let wanted_set: std::collections::HashSet<i32> = wanted.iter().copied().collect();
+        let mut free = (0..self.half).filter(|&s| content[s] < 0 || !wanted_set.contains(&content[s])).collect::<Vec<_>>().into_iter();
+        let mut copies = Vec::new();
+        for e in wanted.into_iter().filter(|e| !present.contains(e)) {
+            let Some(s) = free.next() else { break };
+            content[s] = e;
+            copies.push((e, s));
+        }
+        copies
+    }
+
+    /// Forgets what half `h` holds (its copies failed, or its memory was lent out).
+    pub fn invalidate(&mut self, h: usize) {
+        self.owner[h] = None;
+        self.content[h].iter_mut().for_each(|e| *e = -1);
+    }
+}
+
+/// The cost model of a prompt batch's cold experts, from rates measured at start-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Host-to-device bytes per second into the ring (measured, page-locked or gathered).
+    pub copy_bytes_per_s: f64,
+    /// Cold (token, expert) pairs per second on the CPU workers (measured on one thread, times
+    /// the workers).
+    pub cpu_pairs_per_s: f64,
+    /// Bytes of one expert (all its matrices).
+    pub expert_bytes: f64,
+}
+
+impl CostModel {
+    /// Seconds to copy `distinct` experts.
+    pub fn ring_s(&self, distinct: f64) -> f64 {
+        distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
+    }
+
+    /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs.
+    pub fn cpu_s(&self, pairs: f64) -> f64 {
+        pairs / self.cpu_pairs_per_s.max(1.0)
+    }
+
+    /// Whether a batch is cheaper through the ring than on the CPU.
+    pub fn prefers_ring(&self, pairs: f64, distinct: f64) -> bool {
+        self.ring_s(distinct) < self.cpu_s(pairs)
+    }
+}
+
+/// Expected distinct experts among `draws` selections with per-selection probabilities `q`.
+pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
+    q.map(|p| 1.0 - (-draws * p).exp()).sum()
+}
+
+/// Functions of patches/0003, from the CUDA (or HIP) backend's proc addresses.
+#[derive(Clone, Copy)]
+struct Fns {
+    ring_new: unsafe extern "C" fn(i32, usize) -> *mut c_void,
+    ring_free: unsafe extern "C" fn(*mut c_void),
+    ring_size: unsafe extern "C" fn(*mut c_void) -> usize,
+    window_new: unsafe extern "C" fn(*mut c_void, usize) -> sys::ggml_backend_buffer_t,
+    copy_h2d: unsafe extern "C" fn(i32, *mut c_void, *const c_void, usize) -> bool,
+    copy_wait: unsafe extern "C" fn(i32) -> bool,
+}
+
+impl Fns {
+    fn load(dev: sys::ggml_backend_dev_t) -> Option<Self> {
+        // SAFETY: dev is a registered device; each proc address, when present, has the signature
+        // patches/0003 gives it and lives as long as the process.
+        unsafe {
+            let reg = sys::ggml_backend_dev_backend_reg(dev);
+            let get = |name: &std::ffi::CStr| {
+                let p = sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr());
+                (!p.is_null()).then_some(p)
+            };
+            Some(Self {
+                ring_new: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_new")?),
+                ring_free: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_free")?),
+                ring_size: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_size")?),
+                window_new: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_window_new")?),
+                copy_h2d: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_copy_h2d")?),
+                copy_wait: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_copy_wait")?),
+            })
+        }
+    }
+}
+
+/// The device index of a ggml device named like "CUDA0" or "ROCm1".
+fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
+    // SAFETY: valid device; the name is a static string.
+    let name = unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)) }.to_string_lossy().into_owned();
+    let digits: String = name.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();
+    digits.parse().unwrap_or(0)
+}
+
+/// How copies reach the ring.
+#[derive(Clone, Copy)]
+enum Copier {
+    Device { fns: Fns, dev: i32 },
+    /// CPU emulation: plain memcpy.
+    Host,
+}
+
+impl Copier {
+    fn copy(&self, dst: *mut u8, src: *const u8, n: usize) -> bool {
+        match *self {
+            // SAFETY: dst is a device range of n bytes inside a window; src n readable host bytes.
+            Copier::Device { fns, dev } => unsafe { (fns.copy_h2d)(dev, dst.cast(), src.cast(), n) },
+            Copier::Host => {
+                // SAFETY: as above, both on the host and not overlapping (ring vs source).
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+                true
+            }
+        }
+    }
+
+    fn wait(&self) -> bool {
+        match *self {
+            // SAFETY: valid device index.
+            Copier::Device { fns, dev } => unsafe { (fns.copy_wait)(dev) },
+            Copier::Host => true,
+        }
+    }
+}
+
+/// One copy of an expert matrix: host source, ring destination.
+#[derive(Clone, Copy)]
+struct Piece {
+    dst: usize,
+    src: usize,
+    bytes: usize,
+}
+
+/// A batch of copies, done when `done` says so.
+struct Job {
+    pieces: Vec<Piece>,
+    /// Gather through the page-locked staging half `h` first (pageable sources).
+    staging: Option<usize>,
+    done: Arc<Done>,
+}
+
+#[derive(Default)]
+pub(crate) struct Done {
+    state: Mutex<Option<bool>>,
+    cv: Condvar,
+}
+
+impl Done {
+    fn set(&self, ok: bool) {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
+        self.cv.notify_all();
+    }
+
+    /// Waits; returns (copies succeeded, whether the caller had to wait).
+    fn wait(&self) -> (bool, bool) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let stalled = s.is_none();
+        while s.is_none() {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        (s.unwrap_or(false), stalled)
+    }
+}
+
+/// The page-locked staging buffer: one half of the ring's worth of experts per ring half.
+struct Staging {
+    buf: sys::ggml_backend_buffer_t,
+    base: usize,
+    half_bytes: usize,
+}
+
+// SAFETY: the buffer is only written by the copier thread, one job at a time.
+unsafe impl Send for Staging {}
+
+/// Counters for /metrics.
+#[derive(Default)]
+pub struct RingStats {
+    pub h2d_bytes: AtomicU64,
+    pub h2d_bytes_last_batch: AtomicU64,
+    pub hits: AtomicU64,
+    pub fills: AtomicU64,
+    pub stalls: AtomicU64,
+    pub batches: AtomicU64,
+}
+
+/// A tiered layer as the ring sees it.
+pub(crate) struct RingLayer {
+    /// The window's first ring slot (hot slots and pads come before it).
+    pub first_slot: usize,
+    /// Host address of each cold row's matrices and their strides, per matrix.
+    src: Vec<(usize, usize)>,
+    /// Ring start in this layer's window, per matrix (device addresses, or host in emulation).
+    dst: Vec<usize>,
+    /// expert -> cold row, or -1 when hot.
+    cold_rows: Vec<i32>,
+    /// expert -> hot slot, or -1 when cold.
+    pub hot_slots: Vec<i32>,
+    tally: Arc<Tally>,
+    n_used: usize,
+    /// Whether the graph being computed runs this layer through the ring (set when it is built).
+    active: std::sync::atomic::AtomicBool,
+}
+
+/// The ring of one device, shared by every tiered layer of a model.
+pub(crate) struct Ring {
+    copier: Copier,
+    pub half: usize,
+    /// Ring allocations per matrix kind (device only).
+    handles: Vec<*mut c_void>,
+    fns: Option<Fns>,
+    state: Mutex<State>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    pub stats: RingStats,
+    pub cost: Mutex<Option<CostModel>>,
+    pinned_src: bool,
+    layers: Mutex<Vec<Arc<RingLayer>>>,
+    pub emulated: bool,
+    pub bytes: usize,
+}
+
+struct State {
+    slots: Slots,
+    pending: [Option<Arc<Done>>; 2],
+    batch_bytes: u64,
+    /// The ring layer of the previous fill (a lower or equal index starts a new batch).
+    last: Option<usize>,
+}
+
+// SAFETY: the raw handles are only used under the ring's own synchronisation (creation, drop).
+unsafe impl Send for Ring {}
+// SAFETY: as above; shared state is behind mutexes and atomics.
+unsafe impl Sync for Ring {}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if let Ok(mut tx) = self.tx.lock() {
+            tx.take();
+        }
+        if let Some(f) = self.fns {
+            for &h in &self.handles {
+                // SAFETY: created by ring_new, freed once.
+                unsafe { (f.ring_free)(h) };
+            }
+        }
+    }
+}
+
+/// What a layer's window is made of.
+pub(crate) enum WindowMem {
+    /// A device buffer from patches/0003 (head + the shared ring).
+    Device(sys::ggml_backend_buffer_t),
+    /// Emulation: a host buffer of head + the layer's own ring.
+    Host(sys::ggml_backend_buffer_t),
+}
+
+impl Ring {
+    /// A ring of `2 * half` slots on device `dev` for matrices of at most `max_nb2` bytes per
+    /// expert (one ring per matrix kind, in Mats order), or None where the backend lacks
+    /// windows (no patches/0003, no virtual memory management) or the memory is short.
+    pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool) -> Option<Arc<Self>> {
+        let fns = Fns::load(dev)?;
+        let idx = device_index(dev);
+        let mut handles = Vec::new();
+        for &nb2 in max_nb2 {
+            // SAFETY: valid device index; size > 0.
+            let h = unsafe { (fns.ring_new)(idx, 2 * half * nb2) };
+            if h.is_null() {
+                for &h in &handles {
+                    // SAFETY: created above.
+                    unsafe { (fns.ring_free)(h) };
+                }
+                return None;
+            }
+            handles.push(h);
+        }
+        // SAFETY: live handles.
+        let bytes = handles.iter().map(|&h| unsafe { (fns.ring_size)(h) }).sum();
+        Some(Self::with(Copier::Device { fns, dev: idx }, half, handles, Some(fns), pinned_src, false, bytes))
+    }
+
+    /// The CPU emulation (`STRATA_RING_EMULATE=1`).
+    pub(crate) fn new_emulated(half: usize, pinned_src: bool) -> Arc<Self> {
+        Self::with(Copier::Host, half, Vec::new(), None, pinned_src, true, 0)
+    }
+
+    fn with(copier: Copier, half: usize, handles: Vec<*mut c_void>, fns: Option<Fns>, pinned_src: bool, emulated: bool, bytes: usize) -> Arc<Self> {
+        let ring = Arc::new(Self {
+            copier,
+            half,
+            handles,
+            fns,
+            state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None }),
+            tx: Mutex::new(None),
+            stats: RingStats::default(),
+            cost: Mutex::new(None),
+            pinned_src,
+            layers: Mutex::new(Vec::new()),
+            emulated,
+            bytes,
+        });
+        ring
+    }
+
+    /// The window of a layer whose hot part takes `head` bytes of matrix kind `m`.
+    pub(crate) fn window(&self, m: usize, head: usize, ring_bytes_emulated: usize) -> Option<WindowMem> {
+        match (self.fns, self.handles.get(m)) {
+            (Some(f), Some(&h)) => {
+                // SAFETY: live ring handle.
+                let b = unsafe { (f.window_new)(h, head) };
+                (!b.is_null()).then_some(WindowMem::Device(b))
+            }
+            _ => {
+                // SAFETY: the CPU device exists whenever the CPU backend is loaded.
+                let b = unsafe {
+                    let buft = sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU));
+                    sys::ggml_backend_buft_alloc_buffer(buft, head + ring_bytes_emulated)
+                };
+                (!b.is_null()).then_some(WindowMem::Host(b))
+            }
+        }
+    }
+
+    /// Ring bytes per matrix kind, as allocated (device rings round up to the granularity).
+    pub(crate) fn ring_bytes(&self, m: usize) -> Option<usize> {
+        let f = self.fns?;
+        // SAFETY: live handle.
+        self.handles.get(m).map(|&h| unsafe { (f.ring_size)(h) })
+    }
+
+    /// The first ring slot of ring layer `i`'s window.
+    pub(crate) fn first_slot(&self, i: usize) -> Option<usize> {
+        self.layers.lock().unwrap_or_else(|e| e.into_inner()).get(i).map(|l| l.first_slot)
+    }
+
+    /// Records whether the graph being built runs ring layer `i` through the ring.
+    pub(crate) fn set_active(&self, i: usize, on: bool) {
+        if let Some(l) = self.layers.lock().unwrap_or_else(|e| e.into_inner()).get(i) {
+            l.active.store(on, Ordering::Relaxed);
+        }
+    }
+
+    /// Adds the next tiered layer (in graph order); returns its ring index.
+    pub(crate) fn register(&self, layer: RingLayer) -> usize {
+        let mut l = self.layers.lock().unwrap_or_else(|e| e.into_inner());
+        l.push(Arc::new(layer));
+        l.len() - 1
+    }
+
+    /// Starts the copier thread with a staging buffer for pageable sources (of `bytes_per_half`
+    /// per half, page-locked when `buft` is the device's host buffer type).
+    pub(crate) fn start(self: &Arc<Self>, staging_buft: Option<sys::ggml_backend_buffer_type_t>, expert_bytes: usize) -> Result<(), String> {
+        let staging = match staging_buft.filter(|_| !self.pinned_src) {
+            Some(buft) => {
+                let half_bytes = self.half * expert_bytes;
+                // SAFETY: valid buffer type.
+                let buf = unsafe { sys::ggml_backend_buft_alloc_buffer(buft, 2 * half_bytes) };
+                if buf.is_null() {
+                    return Err(format!("the prefill ring's staging buffer ({} bytes, page-locked) could not be allocated", 2 * half_bytes));
+                }
+                // SAFETY: valid buffer.
+                let base = unsafe { sys::ggml_backend_buffer_get_base(buf) } as usize;
+                Some(Staging { buf, base, half_bytes })
+            }
+            None => None,
+        };
+        let (tx, rx) = mpsc::channel::<Job>();
+        let copier = self.copier;
+        std::thread::Builder::new()
+            .name("strata-ring".into())
+            .spawn(move || copier_thread(copier, rx, staging))
+            .map_err(|e| format!("the prefill ring's copier thread: {e}"))?;
+        *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        Ok(())
+    }
+
+    fn submit(&self, pieces: Vec<Piece>, h: usize) -> Arc<Done> {
+        let done = Arc::new(Done::default());
+        if pieces.is_empty() {
+            done.set(true);
+            return done;
+        }
+        let job = Job { pieces, staging: (!self.pinned_src).then_some(h), done: done.clone() };
+        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|tx| tx.send(job).is_ok());
+        if !sent {
+            done.set(false);
+        }
+        done
+    }
+
+    fn pieces(&self, rl: &RingLayer, h: usize, copies: &[(i32, usize)]) -> Vec<Piece> {
+        let mut out = Vec::with_capacity(copies.len() * rl.src.len());
+        for &(e, s) in copies {
+            let Some(row) = usize::try_from(e).ok().and_then(|e| rl.cold_rows.get(e)).and_then(|&r| usize::try_from(r).ok()) else { continue };
+            for ((&(src, nb2), &dst), _) in rl.src.iter().zip(&rl.dst).zip(0..) {
+                out.push(Piece { dst: dst + (h * self.half + s) * nb2, src: src + row * nb2, bytes: nb2 });
+            }
+        }
+        out
+    }
+
+    /// The fill step of ring layer `i` for a batch routed as `sel` ([n_used, n_tok]): places the
+    /// used cold experts in the layer's half (waiting for its prefetch, copying what it missed),
+    /// writes each selection's window slot into `out`, then prefetches the next layer's likely
+    /// experts into the other half. False if a copy failed (out is then unusable).
+    pub(crate) fn fill(&self, i: usize, sel: &[i32], out: &mut [i32]) -> bool {
+        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(rl) = layers.get(i) else { return false };
+        let n = layers.len();
+        let h = i % 2;
+        let mut counts: HashMap<i32, u32> = HashMap::new();
+        for &e in sel {
+            if rl.cold_row(e).is_some() {
+                *counts.entry(e).or_default() += 1;
+            }
+        }
+        let mut used: Vec<(i32, u32)> = counts.into_iter().collect();
+        used.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        // The most-selected fill the half; the rest go to the zero pads (the CPU computes them).
+        let used: Vec<i32> = used.into_iter().map(|(e, _)| e).take(self.half).collect();
+
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.last.is_none_or(|l| i <= l) {
+            st.batch_bytes = 0;
+            self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        st.last = Some(i);
+        if let Some(p) = st.pending[h].take() {
+            let (ok, stalled) = p.wait();
+            if stalled {
+                self.stats.stalls.fetch_add(1, Ordering::Relaxed);
+            }
+            if !ok {
+                st.slots.invalidate(h);
+            }
+        }
+        let Some(placed) = st.slots.place(h, i, &used) else { return false };
+        let pieces = self.pieces(rl, h, &placed.copies);
+        let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        let (ok, _) = self.submit(pieces, h).wait();
+        if !ok {
+            st.slots.invalidate(h);
+            return false;
+        }
+        st.batch_bytes += bytes;
+        self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.stats.hits.fetch_add(placed.hits as u64, Ordering::Relaxed);
+        self.stats.fills.fetch_add(placed.copies.len() as u64, Ordering::Relaxed);
+        let slot: HashMap<i32, usize> = placed.slot_of.into_iter().collect();
+        let pads = rl.first_slot - rl.n_used;
+        for (k, (o, &e)) in out.iter_mut().zip(sel).enumerate() {
+            let hot = usize::try_from(e).ok().and_then(|e| rl.hot_slots.get(e)).copied().unwrap_or(-1);
+            *o = if hot >= 0 {
+                hot
+            } else {
+                slot.get(&e).map_or((pads + k % rl.n_used) as i32, |&s| (rl.first_slot + h * self.half + s) as i32)
+            };
+        }
+        // Prefetch the next layer that this graph runs through the ring, unless it shares this
+        // half (an odd count wrapping, or a layer between that computes its cold experts elsewhere).
+        let next = (1..=n).map(|d| (i + d) % n).find(|&j| layers[j].active.load(Ordering::Relaxed));
+        if let Some(j) = next.filter(|&j| j != i && j % 2 != h) {
+            let draws = (sel.len()) as f64;
+            let likely = layers[j].likely_cold(draws, self.half);
+            let copies = st.slots.prefetch(j % 2, j, &likely);
+            let pieces = self.pieces(&layers[j], j % 2, &copies);
+            let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+            st.batch_bytes += b;
+            self.stats.h2d_bytes.fetch_add(b, Ordering::Relaxed);
+            self.stats.fills.fetch_add(copies.len() as u64, Ordering::Relaxed);
+            st.pending[j % 2] = Some(self.submit(pieces, j % 2));
+        }
+        self.stats.h2d_bytes_last_batch.store(st.batch_bytes, Ordering::Relaxed);
+        out.iter().all(|&s| s >= 0)
+    }
+
+    /// Measures the copy rate into the ring with up to `n` experts of the first layer (logged
+    /// by the caller), and forgets what the measurement put there.
+    pub(crate) fn measure_copy(&self, n: usize) -> Option<f64> {
+        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rl = layers.first()?;
+        let cold: Vec<i32> = (0..rl.cold_rows.len() as i32).filter(|&e| rl.cold_row(e).is_some()).take(n.min(self.half)).collect();
+        if cold.is_empty() {
+            return None;
+        }
+        let copies: Vec<(i32, usize)> = cold.iter().enumerate().map(|(s, &e)| (e, s)).collect();
+        let pieces = self.pieces(rl, 0, &copies);
+        let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
+        // One warm-up, then the timed copy.
+        self.submit(pieces.clone(), 0).wait();
+        let t0 = Instant::now();
+        let (ok, _) = self.submit(pieces, 0).wait();
+        let s = t0.elapsed().as_secs_f64();
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).slots.invalidate(0);
+        (ok && s > 0.0).then_some(bytes as f64 / s)
+    }
+}
+
+impl RingLayer {
+    pub(crate) fn new(first_slot: usize, src: Vec<(usize, usize)>, dst: Vec<usize>, cold_rows: Vec<i32>, hot_slots: Vec<i32>, tally: Arc<Tally>, n_used: usize) -> Self {
+        Self { first_slot, src, dst, cold_rows, hot_slots, tally, n_used, active: Default::default() }
+    }
+
+    fn cold_row(&self, e: i32) -> Option<usize> {
+        usize::try_from(*self.cold_rows.get(usize::try_from(e).ok()?)?).ok()
+    }
+
+    /// The layer's cold experts likely used by a batch of `draws` selections, most likely
+    /// first, at most `cap`: those expected to be used with probability >= 1/2 by the layer's
+    /// own counts; all of them (up to `cap`) before it has counted enough.
+    fn likely_cold(&self, draws: f64, cap: usize) -> Vec<i32> {
+        let counts: Vec<(i32, u64)> = self
+            .cold_rows
+            .iter()
+            .enumerate()
+            .filter(|(_, &r)| r >= 0)
+            .map(|(e, _)| (e as i32, self.tally.per_expert.get(e).map_or(0, |c| c.load(Ordering::Relaxed))))
+            .collect();
+        let total: u64 = self.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+        if total < 64 * self.n_used as u64 {
+            return counts.into_iter().map(|(e, _)| e).take(cap).collect();
+        }
+        let mut ranked: Vec<(i32, f64)> = counts.into_iter().map(|(e, c)| (e, 1.0 - (-draws * c as f64 / total as f64).exp())).collect();
+        ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        ranked.into_iter().filter(|&(_, p)| p >= 0.5).map(|(e, _)| e).take(cap).collect()
+    }
+}
+
+fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>) {
+    let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    while let Ok(job) = rx.recv() {
+        let ok = match (&staging, job.staging) {
+            (Some(st), Some(h)) => {
+                // Gather into staging half h (parallel reads of the pageable source), then copy.
+                let mut off = 0usize;
+                let mut staged = Vec::with_capacity(job.pieces.len());
+                for p in &job.pieces {
+                    if off + p.bytes > st.half_bytes {
+                        break;
+                    }
+                    staged.push((st.base + h * st.half_bytes + off, *p));
+                    off += p.bytes;
+                }
+                let fits = staged.len() == job.pieces.len();
+                let chunk = staged.len().div_ceil(gather_threads).max(1);
+                std::thread::scope(|s| {
+                    for part in staged.chunks(chunk) {
+                        s.spawn(move || {
+                            for &(at, p) in part {
+                                // SAFETY: staging and source ranges are valid and disjoint.
+                                unsafe { std::ptr::copy_nonoverlapping(p.src as *const u8, at as *mut u8, p.bytes) };
+                            }
+                        });
+                    }
+                });
+                fits && staged.iter().all(|&(at, p)| copier.copy(p.dst as *mut u8, at as *const u8, p.bytes)) && copier.wait()
+            }
+            _ => job.pieces.iter().all(|p| copier.copy(p.dst as *mut u8, p.src as *const u8, p.bytes)) && copier.wait(),
+        };
+        job.done.set(ok);
+    }
+    if let Some(st) = staging {
+        // SAFETY: allocated in start, freed once when the ring goes away.
+        unsafe { sys::ggml_backend_buffer_free(st.buf) };
+    }
+}
+
+/// The custom op of a tiered layer's prompt batch. Sources: sel [n_used, n_tok] i32, then a
+/// cold host tensor (it places the op on the CPU). Writes dst [n_used, n_tok] i32: each
+/// selection's slot in the layer's window: its hot slot, its ring slot, or (a cold expert the
+/// half had no room for) the zero pad of its position, which the CPU part computes instead.
+pub(crate) unsafe extern "C" fn fill(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
+    // SAFETY: as fill_only.
+    unsafe { fill_only(dst, ith, nth, userdata) };
+    if ith == 0 {
+        // SAFETY: userdata is the layer's LayerTiers; sel is the first source, contiguous i32.
+        unsafe { kernels::tally(&*(userdata as *const LayerTiers), kernels::ids(&*(*dst).src[0])) };
+    }
+}
+
+/// [`fill`] without counting the selections, for graphs whose CPU part counts them.
+pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
+    }
+    // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
+    let lt = unsafe { &*(userdata as *const LayerTiers) };
+    // SAFETY: the graph builder gave this op sel as its first source; dst is i32 of sel's shape.
+    let (sel, out) = unsafe {
+        let sel = &*(*dst).src[0];
+        (kernels::ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
+    };
+    let Some((ring, i)) = lt.ring.as_ref() else { return };
+    if !ring.fill(*i, sel, out) {
+        // A failed copy cannot be recovered inside a graph; the layer's result would be wrong.
+        crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
+        std::process::abort();
+    }
+}
+
+/// Measures the CPU's cold (token, expert) pair rate on one thread with `n` cold experts of
+/// `lt` (a zero input; the time does not depend on the values).
+pub(crate) fn measure_cpu(lt: &LayerTiers, n: usize) -> Option<f64> {
+    let rows: Vec<i32> = (0..lt.n_expert() as i32).filter(|&e| lt.cold_row(e).is_some()).take(n).collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let n_used = rows.len();
+    let x = vec![0.0f32; lt.n_embd];
+    let items: Vec<(usize, usize, usize)> = rows.iter().enumerate().filter_map(|(k, &e)| Some((0, k, lt.cold_row(e)?))).collect();
+    let mut h = vec![0.0f32; lt.n_ff * n_used];
+    let mut y = vec![0.0f32; lt.n_embd * n_used];
+    let t0 = Instant::now();
+    kernels::gate_up_rows(lt, |_| &x[..], &items, n_used, h.as_mut_ptr(), 0, items.len() * lt.n_ff);
+    kernels::down_rows(lt, h.as_ptr(), &rows, &[], None, n_used, y.as_mut_ptr(), 0, lt.n_embd);
+    let s = t0.elapsed().as_secs_f64();
+    (s > 0.0).then(|| rows.len() as f64 / s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_half_takes_what_fits_and_refuses_more() {
+        let mut s = Slots::new(4);
+        let p = s.place(0, 0, &[7, 3, 9]).expect("fits");
+        assert_eq!(p.copies, vec![(7, 0), (3, 1), (9, 2)]);
+        assert_eq!(p.hits, 0);
+        assert!(s.place(0, 0, &[1, 2, 3, 4, 5]).is_none());
+    }
+
+    #[test]
+    fn prefetched_experts_are_hits_and_only_misses_are_copied() {
+        let mut s = Slots::new(4);
+        assert_eq!(s.prefetch(1, 3, &[10, 11, 12]), vec![(10, 0), (11, 1), (12, 2)]);
+        let p = s.place(1, 3, &[12, 40, 10]).expect("fits");
+        assert_eq!(p.hits, 2);
+        assert_eq!(p.copies, vec![(40, 1)], "the unused prefetched slot is reused first");
+        let mut slots: Vec<_> = p.slot_of.clone();
+        slots.sort();
+        assert_eq!(slots, vec![(10, 0), (12, 2), (40, 1)]);
+    }
+
+    #[test]
+    fn another_layer_in_the_half_invalidates_it() {
+        let mut s = Slots::new(2);
+        s.prefetch(0, 0, &[1, 2]);
+        let p = s.place(0, 2, &[1]).expect("fits");
+        assert_eq!(p.hits, 0, "layer 2 does not hit layer 0's experts");
+        assert_eq!(p.copies, vec![(1, 0)]);
+        let again = s.place(0, 2, &[1]).expect("fits");
+        assert_eq!((again.hits, again.copies.len()), (1, 0), "a second batch of the same layer reuses the slot");
+    }
+
+    #[test]
+    fn halves_are_independent_and_invalidate_forgets() {
+        let mut s = Slots::new(2);
+        s.place(0, 0, &[5, 6]).expect("fits");
+        s.place(1, 1, &[5, 6]).expect("fits");
+        assert_eq!(s.place(0, 0, &[5, 6]).expect("fits").hits, 2);
+        s.invalidate(0);
+        assert_eq!(s.place(0, 0, &[5]).expect("fits").copies, vec![(5, 0)]);
+        assert_eq!(s.place(1, 1, &[6]).expect("fits").hits, 1);
+    }
+
+    #[test]
+    fn prefetch_keeps_what_is_there_and_stops_at_the_half() {
+        let mut s = Slots::new(3);
+        s.prefetch(0, 0, &[1, 2]);
+        let c = s.prefetch(0, 0, &[2, 3, 4, 5]);
+        assert_eq!(c, vec![(3, 0), (4, 2)], "2 stays; 1 (not wanted) gives its slot up; 5 does not fit");
+    }
+
+    #[test]
+    fn cost_model_prefers_the_ring_for_big_batches() {
+        let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6 };
+        // 4,096 tokens x 10 x 20% cold = 8,192 pairs over ~400 distinct experts.
+        assert!(m.prefers_ring(8192.0, 400.0));
+        // A few cold pairs: the CPU is quicker than copying their experts.
+        assert!(!m.prefers_ring(4.0, 4.0));
+        let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 40960.0);
+        assert!((d - 512.0).abs() < 1.0);
+        let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 10.0);
+        assert!((d - 10.0).abs() < 0.2);
+    }
+}
