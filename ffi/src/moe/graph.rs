@@ -9,6 +9,8 @@ use crate::sys;
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
 /// expert graph, which it replaces: the second tier's chain, remaps, flattening, custom ops.
 pub(crate) const EXTRA_NODES_PER_LAYER: u32 = 128;
+/// Columns up to which the flat second pass stays within the id grouping's shared memory.
+const FLAT_MAX_COLUMNS: i64 = 32768;
 
 struct G<'a> {
     ctx: *mut sys::ggml_context,
@@ -197,7 +199,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             None => out,
         });
     }
-    let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.cold_on_cpu(n_tok));
+    // A windowed layer whose batch skips the ring keeps its cold selections on the CPU, as does
+    // a batch too wide for the flat second pass (the GPU's id grouping holds 4-byte entries for
+    // every column in shared memory).
+    let flat_too_wide = n_tok >= lt.flat_from && n_used * n_tok > FLAT_MAX_COLUMNS;
+    let cold_cpu = lt.n_cold > 0 && (!prompt || lt.cold_map.is_none() || lt.window.is_some() || flat_too_wide || lt.cold_on_cpu(n_tok));
     // The CPU ops read the routing weights only for the weighted (prompt) form; otherwise sel
     // stands in as that source, which the scheduler then copies from the GPU once, not twice.
     let weighted_cold = kernels::weighted_output(n_tok as usize);

@@ -302,6 +302,10 @@ impl LayerTiers {
     }
 
     fn ring_cheaper(&self, ring: &ring::Ring, n_tok: i64) -> bool {
+        // The emulation tests the ring's graph and accounting; the choice is the device's.
+        if ring.emulated {
+            return true;
+        }
         let Some(cost) = *ring.cost.lock().unwrap_or_else(|e| e.into_inner()) else { return true };
         let draws = n_tok as f64 * self.n_used as f64;
         let pairs = draws * self.cold_share();
@@ -793,6 +797,9 @@ fn start_ring(r: &Arc<ring::Ring>, entries: &[(usize, Arc<LayerTiers>)], dev: sy
         );
     } else {
         line += "; cost model not measured (no cold expert to time): prompt batches always take the ring";
+    }
+    if r.emulated {
+        line += "; emulated, every prompt batch takes it";
     }
     Ok(line)
 }

@@ -137,9 +137,10 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    /// Seconds to copy `distinct` experts.
+    /// Seconds to copy `distinct` experts, plus the graph split and synchronisation the fill
+    /// step costs (about 80 µs measured on the H200, docs/prefill-ring.md).
     pub fn ring_s(&self, distinct: f64) -> f64 {
-        distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
+        RING_STEP_S + distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
     }
 
     /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs.
@@ -152,6 +153,8 @@ impl CostModel {
         self.ring_s(distinct) < self.cpu_s(pairs)
     }
 }
+
+const RING_STEP_S: f64 = 100e-6;
 
 /// Expected distinct experts among `draws` selections with per-selection probabilities `q`.
 pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
@@ -782,8 +785,8 @@ mod tests {
         let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6 };
         // 4,096 tokens x 10 x 20% cold = 8,192 pairs over ~400 distinct experts.
         assert!(m.prefers_ring(8192.0, 400.0));
-        // A few cold pairs: the CPU is quicker than copying their experts.
-        assert!(!m.prefers_ring(4.0, 4.0));
+        // A cold pair or two: the CPU is quicker than a fill step.
+        assert!(!m.prefers_ring(2.0, 2.0));
         let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 40960.0);
         assert!((d - 512.0).abs() < 1.0);
         let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 10.0);
