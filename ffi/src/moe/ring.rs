@@ -155,6 +155,10 @@ impl CostModel {
 }
 
 const RING_STEP_S: f64 = 100e-6;
+/// Share of a layer's time the next layer's prefetch may fill with copies.
+const PREFETCH_SHARE: f64 = 0.8;
+/// Least chance of use for which an expert is prefetched when the copy budget allows.
+const PREFETCH_MIN_P: f64 = 0.02;
 
 /// Expected distinct experts among `draws` selections with per-selection probabilities `q`.
 pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
@@ -331,8 +335,9 @@ struct State {
     slots: Slots,
     pending: [Option<Arc<Done>>; 2],
     batch_bytes: u64,
-    /// The ring layer of the previous fill (a lower or equal index starts a new batch).
+    /// The ring layer of the previous fill (a lower or equal index starts a new batch), and when.
     last: Option<usize>,
+    last_at: Option<Instant>,
 }
 
 // SAFETY: the raw handles are only used under the ring's own synchronisation (creation, drop).
@@ -398,7 +403,7 @@ impl Ring {
             half,
             handles,
             fns,
-            state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None }),
+            state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None, last_at: None }),
             tx: Mutex::new(None),
             stats: RingStats::default(),
             cost: Mutex::new(None),
@@ -516,23 +521,30 @@ impl Ring {
         let Some(rl) = layers.get(i) else { return false };
         let n = layers.len();
         let h = i % 2;
-        let mut counts: HashMap<i32, u32> = HashMap::new();
+        let mut counts = vec![0u32; rl.cold_rows.len()];
         for &e in sel {
             if rl.cold_row(e).is_some() {
-                *counts.entry(e).or_default() += 1;
+                counts[e as usize] += 1;
             }
         }
-        let mut used: Vec<(i32, u32)> = counts.into_iter().collect();
+        let mut used: Vec<(i32, u32)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(e, &c)| (e as i32, c)).collect();
         used.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         // The most-selected fill the half; the rest go to the zero pads (the CPU computes them).
         let used: Vec<i32> = used.into_iter().map(|(e, _)| e).take(self.half).collect();
 
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // The time since the previous ring layer's fill: about one layer of this batch on the GPU.
+        let layer_s = match (st.last, st.last_at) {
+            (Some(l), Some(at)) if l < i => Some(now.duration_since(at).as_secs_f64() / (i - l) as f64),
+            _ => None,
+        };
         if st.last.is_none_or(|l| i <= l) {
             st.batch_bytes = 0;
             self.stats.batches.fetch_add(1, Ordering::Relaxed);
         }
         st.last = Some(i);
+        st.last_at = Some(now);
         if let Some(p) = st.pending[h].take() {
             let (ok, stalled) = p.wait();
             if stalled {
@@ -554,22 +566,34 @@ impl Ring {
         self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.stats.hits.fetch_add(placed.hits as u64, Ordering::Relaxed);
         self.stats.fills.fetch_add(placed.copies.len() as u64, Ordering::Relaxed);
-        let slot: HashMap<i32, usize> = placed.slot_of.into_iter().collect();
+        let mut slot = vec![-1i32; rl.cold_rows.len()];
+        for (e, s) in placed.slot_of {
+            slot[e as usize] = (rl.first_slot + h * self.half + s) as i32;
+        }
         let pads = rl.first_slot - rl.n_used;
         for (k, (o, &e)) in out.iter_mut().zip(sel).enumerate() {
             let hot = usize::try_from(e).ok().and_then(|e| rl.hot_slots.get(e)).copied().unwrap_or(-1);
+            let ring = usize::try_from(e).ok().and_then(|e| slot.get(e)).copied().unwrap_or(-1);
             *o = if hot >= 0 {
                 hot
+            } else if ring >= 0 {
+                ring
             } else {
-                slot.get(&e).map_or((pads + k % rl.n_used) as i32, |&s| (rl.first_slot + h * self.half + s) as i32)
+                (pads + k % rl.n_used) as i32
             };
         }
         // Prefetch the next layer that this graph runs through the ring, unless it shares this
         // half (an odd count wrapping, or a layer between that computes its cold experts elsewhere).
         let next = (1..=n).map(|d| (i + d) % n).find(|&j| layers[j].active.load(Ordering::Relaxed));
         if let Some(j) = next.filter(|&j| j != i && j % 2 != h) {
-            let draws = (sel.len()) as f64;
-            let likely = layers[j].likely_cold(draws, self.half);
+            let draws = sel.len() as f64;
+            // As many as the copy engine moves while this layer computes, most likely first.
+            let rate = self.cost.lock().unwrap_or_else(|e| e.into_inner()).map(|c| c.copy_bytes_per_s);
+            let budget = match (layer_s, rate) {
+                (Some(t), Some(r)) => Some(((PREFETCH_SHARE * t * r) as usize / layers[j].expert_bytes().max(1)).min(self.half)),
+                _ => None,
+            };
+            let likely = layers[j].likely_cold(draws, budget);
             let copies = st.slots.prefetch(j % 2, j, &likely);
             let pieces = self.pieces(&layers[j], j % 2, &copies);
             let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
@@ -613,10 +637,16 @@ impl RingLayer {
         usize::try_from(*self.cold_rows.get(usize::try_from(e).ok()?)?).ok()
     }
 
+    fn expert_bytes(&self) -> usize {
+        self.src.iter().map(|&(_, nb2)| nb2).sum()
+    }
+
     /// The layer's cold experts likely used by a batch of `draws` selections, most likely
-    /// first, at most `cap`: those expected to be used with probability >= 1/2 by the layer's
-    /// own counts; all of them (up to `cap`) before it has counted enough.
-    fn likely_cold(&self, draws: f64, cap: usize) -> Vec<i32> {
+    /// first, by the layer's own counts: with a copy budget of `budget` experts, up to that many
+    /// of those with any real chance of use; without one, those used with probability >= 1/2.
+    /// Before the layer has counted enough, all of them (up to the budget).
+    fn likely_cold(&self, draws: f64, budget: Option<usize>) -> Vec<i32> {
+        let cap = budget.unwrap_or(usize::MAX);
         let counts: Vec<(i32, u64)> = self
             .cold_rows
             .iter()
@@ -630,7 +660,8 @@ impl RingLayer {
         }
         let mut ranked: Vec<(i32, f64)> = counts.into_iter().map(|(e, c)| (e, 1.0 - (-draws * c as f64 / total as f64).exp())).collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        ranked.into_iter().filter(|&(_, p)| p >= 0.5).map(|(e, _)| e).take(cap).collect()
+        let min_p = if budget.is_some() { PREFETCH_MIN_P } else { 0.5 };
+        ranked.into_iter().filter(|&(_, p)| p >= min_p).map(|(e, _)| e).take(cap).collect()
     }
 }
 
@@ -778,6 +809,22 @@ mod tests {
         s.prefetch(0, 0, &[1, 2]);
         let c = s.prefetch(0, 0, &[2, 3, 4, 5]);
         assert_eq!(c, vec![(3, 0), (4, 2)], "2 stays; 1 (not wanted) gives its slot up; 5 does not fit");
+    }
+
+    #[test]
+    fn prefetch_takes_the_likeliest_cold_experts_within_the_copy_budget() {
+        // Experts 0..8; 0 and 1 hot; counts make 7 the likeliest cold one, then 6, 5, ...
+        let tally = Arc::new(Tally::new(8));
+        for (e, c) in [(0, 5000u64), (1, 5000), (2, 1), (3, 1), (4, 1), (5, 300), (6, 600), (7, 900)] {
+            tally.per_expert[e].store(c, Ordering::Relaxed);
+        }
+        let cold_rows = vec![-1, -1, 0, 1, 2, 3, 4, 5];
+        let rl = RingLayer::new(4, vec![(0, 16)], vec![0], cold_rows, vec![0, 1, -1, -1, -1, -1, -1, -1], tally, 2);
+        assert_eq!(rl.likely_cold(100.0, Some(2)), vec![7, 6], "the budget takes the likeliest first");
+        assert_eq!(rl.likely_cold(100.0, Some(10)), vec![7, 6, 5], "2, 3 and 4 have almost no chance in 100 draws");
+        assert_eq!(rl.likely_cold(100.0, None), vec![7, 6], "without a budget, only those more likely than not");
+        let fresh = RingLayer::new(4, vec![(0, 16)], vec![0], vec![-1, 0, 1], vec![0, -1, -1], Arc::new(Tally::new(3)), 2);
+        assert_eq!(fresh.likely_cold(100.0, Some(1)), vec![1], "before any counts: every cold expert, up to the budget");
     }
 
     #[test]
