@@ -227,6 +227,16 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
         drop(s);
     }
 
+    // --pcie-frac uploads go through the ring's staging buffer and copier when there is a ring.
+    let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "32")];
+    let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &env);
+    assert_same(&ref_short, &generate(&s, SHORT), "ring and uploads, short prompt");
+    let before = counter(&s, "prefill_ring_h2d_bytes_total");
+    assert!(counter(&s, "expert_uploads_total") > 0);
+    assert!(before > 0, "decode uploads counted as ring copies");
+    assert_same(&ref_long, &generate(&s, LONG), "ring and uploads, long prompt");
+    drop(s);
+
     // Without a GPU and without emulation the ring is off and says so; 0 turns it off.
     let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &[]);
     let log = s.log.lock().unwrap().clone();

@@ -334,6 +334,7 @@ pub(crate) unsafe extern "C" fn upload(dst: *mut sys::ggml_tensor, ith: i32, _nt
     let misses = sel.iter().filter(|&&e| lt.cold_row(e).is_some()).count();
     let mut budget = (misses as f64 * lt.pcie_frac).round() as usize;
     let mut slot_of: Vec<(i32, usize)> = Vec::new();
+    let mut rows: Vec<(usize, usize)> = Vec::new();
     for (i, &e) in sel.iter().enumerate() {
         out[i] = (st.slots + i % n_used) as i32;
         let Some(row) = lt.cold_row(e) else { continue };
@@ -343,7 +344,7 @@ pub(crate) unsafe extern "C" fn upload(dst: *mut sys::ggml_tensor, ith: i32, _nt
         let slot = match slot_of.iter().find(|(x, _)| *x == e) {
             Some(&(_, s)) => s,
             None if slot_of.len() < st.slots => {
-                st.fill(slot_of.len(), &lt.cold, row);
+                rows.push((slot_of.len(), row));
                 slot_of.push((e, slot_of.len()));
                 slot_of.len() - 1
             }
@@ -351,6 +352,13 @@ pub(crate) unsafe extern "C" fn upload(dst: *mut sys::ggml_tensor, ith: i32, _nt
         };
         out[i] = slot as i32;
         budget -= 1;
+    }
+    // With the prefill ring, through its page-locked staging buffer and copy stream, all at once.
+    let copied = lt.ring.as_ref().is_some_and(|(ring, _)| ring.copy_rows(&lt.cold_tensors, &st.mats, &rows));
+    if !copied {
+        for &(slot, row) in &rows {
+            st.fill(slot, &lt.cold, row);
+        }
     }
     lt.tally.uploads.fetch_add(slot_of.len() as u64, Ordering::Relaxed);
 }

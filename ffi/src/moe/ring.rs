@@ -606,6 +606,26 @@ impl Ring {
         out.iter().all(|&s| s >= 0)
     }
 
+    /// Copies cold rows into other device tensors (`--pcie-frac` staging slots) through the
+    /// ring's copier, waiting for them: (slot in `dst`, row in `src`) per expert. False if the
+    /// copier could not (the caller then copies another way).
+    pub(crate) fn copy_rows(&self, src: &super::Mats<super::T>, dst: &super::Mats<super::T>, rows: &[(usize, usize)]) -> bool {
+        let mut pieces = Vec::with_capacity(rows.len() * 3);
+        for (s, d) in src.iter().zip(dst.iter()) {
+            // SAFETY: live tensors of the same per-expert stride; dst has more than `slot` experts.
+            let (sdata, ddata, nb2) = unsafe { ((*s).data as usize, (*d).data as usize, (*d).nb[2]) };
+            for &(slot, row) in rows {
+                pieces.push(Piece { dst: ddata + slot * nb2, src: sdata + row * nb2, bytes: nb2 });
+            }
+        }
+        let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        let ok = self.submit(pieces, 0).wait().0;
+        if ok {
+            self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
+        }
+        ok
+    }
+
     /// Measures the copy rate into the ring with up to `n` experts of the first layer (logged
     /// by the caller), and forgets what the measurement put there.
     pub(crate) fn measure_copy(&self, n: usize) -> Option<f64> {
