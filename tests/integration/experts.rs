@@ -181,7 +181,8 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     drop(reference);
 
     // Cold experts from the mapping through the staging buffer; a half holds a whole layer.
-    let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "32")];
+    let trace = tmp("ring-trace").join("trace.jsonl");
+    let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "32"), ("STRATA_RING_TRACE", trace.to_str().unwrap())];
     let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &env);
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("prefill ring: 32 slots in two halves (emulated on the CPU"), "{log}");
@@ -200,6 +201,12 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     assert!(counter(&s, "prefill_ring_batches_total") > batches);
     assert!(counter(&s, "prefill_ring_hits_total") > 0, "prefetched experts were used");
     drop(s);
+    // The per-layer timeline: one line per fill step of both batches (the last layer computes
+    // only the output token, a decode-sized batch, so it has none).
+    let lines: Vec<Value> = std::fs::read_to_string(&trace).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.iter().map(|l| l["layer"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2, 0, 1, 2], "{lines:?}");
+    assert!(lines.iter().all(|l| l["n_tok"].as_u64().unwrap() >= 32 && l["fill_ms"].as_f64().is_some()), "{lines:?}");
+    assert!(lines[1]["since_prev_ms"].as_f64().is_some());
 
     // A RAM copy (pageable: gathered into the staging buffer) and one that takes the ring directly.
     let dir = tmp("ring");

@@ -329,6 +329,8 @@ pub(crate) struct Ring {
     layers: Mutex<Vec<Arc<RingLayer>>>,
     pub emulated: bool,
     pub bytes: usize,
+    /// STRATA_RING_TRACE=FILE: one JSON line per fill step (the per-layer timeline).
+    trace: Option<Mutex<std::fs::File>>,
 }
 
 struct State {
@@ -411,6 +413,7 @@ impl Ring {
             layers: Mutex::new(Vec::new()),
             emulated,
             bytes,
+            trace: std::env::var_os("STRATA_RING_TRACE").and_then(|p| std::fs::File::create(p).ok()).map(Mutex::new),
         });
         ring
     }
@@ -517,6 +520,7 @@ impl Ring {
     /// writes each selection's window slot into `out`, then prefetches the next layer's likely
     /// experts into the other half. False if a copy failed (out is then unusable).
     pub(crate) fn fill(&self, i: usize, sel: &[i32], out: &mut [i32]) -> bool {
+        let started = Instant::now();
         let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let Some(rl) = layers.get(i) else { return false };
         let n = layers.len();
@@ -545,6 +549,7 @@ impl Ring {
         }
         st.last = Some(i);
         st.last_at = Some(now);
+        let wait_at = Instant::now();
         if let Some(p) = st.pending[h].take() {
             let (ok, stalled) = p.wait();
             if stalled {
@@ -557,13 +562,16 @@ impl Ring {
         let Some(placed) = st.slots.place(h, i, &used) else { return false };
         let pieces = self.pieces(rl, h, &placed.copies);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        let copy_at = Instant::now();
         let (ok, _) = self.submit(pieces, h).wait();
+        let copied_at = Instant::now();
         if !ok {
             st.slots.invalidate(h);
             return false;
         }
         st.batch_bytes += bytes;
         self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let (placed_hits, placed_copies) = (placed.hits, placed.copies.len());
         self.stats.hits.fetch_add(placed.hits as u64, Ordering::Relaxed);
         self.stats.fills.fetch_add(placed.copies.len() as u64, Ordering::Relaxed);
         let mut slot = vec![-1i32; rl.cold_rows.len()];
@@ -603,6 +611,21 @@ impl Ring {
             st.pending[j % 2] = Some(self.submit(pieces, j % 2));
         }
         self.stats.h2d_bytes_last_batch.store(st.batch_bytes, Ordering::Relaxed);
+        if let Some(trace) = self.trace.as_ref() {
+            let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
+            let line = format!(
+                "{{\"layer\":{i},\"n_tok\":{},\"since_prev_ms\":{},\"prefetch_wait_ms\":{:.3},\"missing_copy_ms\":{:.3},\"fill_ms\":{:.3},\"used_cold\":{},\"hits\":{},\"copied\":{},\"bytes\":{bytes}}}\n",
+                sel.len() / rl.n_used.max(1),
+                layer_s.map_or("null".into(), |t| format!("{:.3}", t * 1e3)),
+                ms(wait_at, copy_at),
+                ms(copy_at, copied_at),
+                ms(started, Instant::now()),
+                used.len(),
+                placed_hits,
+                placed_copies,
+            );
+            let _ = std::io::Write::write_all(&mut *trace.lock().unwrap_or_else(|e| e.into_inner()), line.as_bytes());
+        }
         out.iter().all(|&s| s >= 0)
     }
 
