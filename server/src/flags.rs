@@ -78,6 +78,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP" },
     EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)" },
     EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)" },
+    EnvVar { name: "STRATA_RING_TRACE", help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)" },
     EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD" },
 ];
 
