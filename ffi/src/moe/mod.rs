@@ -734,6 +734,9 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         let nb2 = unsafe { (*t).nb[2] };
         let head = head_slots * nb2;
         let ring_bytes = r.ring_bytes(m).unwrap_or(2 * half * nb2);
+        // A device ring has a spare slot (Ring::new_device) that covers the row padding quantized
+        // tensors are allocated with; the slots the window addresses stop before it.
+        let ring_slots = if r.emulated { 2 * half } else { ring_bytes / nb2 - 1 };
         let Some(mem) = r.window(m, head, ring_bytes) else {
             err = Some(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: (head + ring_bytes) as u64, device: "the hot tier's device".into() });
             return None;
@@ -742,7 +745,7 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
             ring::WindowMem::Device(b) | ring::WindowMem::Host(b) => b,
         };
         owned.bufs.push(buf);
-        let win = a.like(t, head_slots + ring_bytes / nb2, &format!("blk.{il}.exps.window"));
+        let win = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.window"));
         let hot = a.like(t, head_slots, &format!("blk.{il}.exps.hot"));
         // SAFETY: buf holds head + ring_bytes bytes from its base; both tensors start there and fit.
         unsafe {

@@ -379,7 +379,8 @@ impl Ring {
         let mut handles = Vec::new();
         for &nb2 in max_nb2 {
             // SAFETY: valid device index; size > 0.
-            let h = unsafe { (fns.ring_new)(idx, 2 * half * nb2) };
+            // One slot more than the halves: the window tensor leaves it for the backend's row padding.
+            let h = unsafe { (fns.ring_new)(idx, (2 * half + 1) * nb2) };
             if h.is_null() {
                 for &h in &handles {
                     // SAFETY: created above.
