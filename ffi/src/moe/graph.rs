@@ -151,8 +151,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // The counting op runs on the CPU; a host weight among its sources places it there directly.
     let count = || {
         let mut srcs = vec![sel];
-        // SAFETY: the cold down tensor is a live weight tensor.
-        srcs.extend(lt.cold_tensors.down.filter(|&t| unsafe { !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer) }));
+        srcs.extend(host_cold_weight(lt));
         let c = g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt);
         g.expand(c);
     };
@@ -165,8 +164,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     if prompt && lt.ring_preferred(n_tok) {
         let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.n_cold > r.half);
         let mut srcs = vec![sel];
-        // SAFETY: the cold down tensor is a live weight tensor.
-        srcs.extend(lt.cold_tensors.down.filter(|&t| unsafe { !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer) }));
+        srcs.extend(host_cold_weight(lt));
         let fill = if overflow { ring::fill_only } else { ring::fill };
         let ids = g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(fill), 1, lt);
         g.expand(ids);
@@ -319,4 +317,10 @@ fn weighted_sum(g: &G<'_>, experts: T, n_embd: i64, n_tok: i64, n_used: i64) -> 
         }
         out
     }
+}
+
+/// The cold down tensor when it lives in host memory: as a source it places a custom op on the CPU.
+fn host_cold_weight(lt: &LayerTiers) -> Option<T> {
+    // SAFETY: the cold down tensor is a live weight tensor.
+    lt.cold_tensors.down.filter(|&t| unsafe { !(*t).buffer.is_null() && sys::ggml_backend_buffer_is_host((*t).buffer) })
 }
