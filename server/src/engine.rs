@@ -547,7 +547,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
         };
         let mut ctx = ctx;
         if let Some(p) = prepared.as_ref().filter(|_| !placed) {
-            if let Err(e) = crate::experts::place(p, &model, cfg.main_gpu, ctx.n_ubatch().max(1) as usize) {
+            if let Err(e) = crate::experts::place(p, &model, cfg.main_gpu) {
                 let _ = state.send(State::Failed(e));
                 return;
             }

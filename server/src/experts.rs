@@ -229,39 +229,10 @@ const RING_MAX_SHARE: f64 = 0.25;
 /// Unmapped tail of each window (the device maps in 2 MiB granules), per matrix and layer.
 const WINDOW_SLACK: u64 = 2 << 20;
 
-/// The most distinct cold experts a prompt batch of `n_ubatch` tokens is expected to use in one
-/// layer, by the profile's counts (uniform without a profile).
-fn batch_cold(p: &Prepared, hot: &[(i32, Vec<u32>)], n_ubatch: usize) -> f64 {
-    let draws = n_ubatch as f64 * f64::from(p.layout.n_expert_used);
-    let n_expert = p.layout.n_expert as usize;
-    hot.iter()
-        .map(|(il, h)| {
-            let mut hits = vec![0u64; n_expert];
-            if let Some(prof) = &p.profile {
-                for e in prof.ranked.iter().filter(|e| e.layer as i32 == *il) {
-                    if let Some(c) = hits.get_mut(e.expert as usize) {
-                        *c = e.hits;
-                    }
-                }
-            }
-            let total: u64 = hits.iter().sum();
-            (0..n_expert)
-                .filter(|e| !h.contains(&(*e as u32)))
-                .map(|e| {
-                    let q = if total == 0 { 1.0 / n_expert as f64 } else { hits[e] as f64 / total as f64 };
-                    1.0 - (-draws * q).exp()
-                })
-                .sum::<f64>()
-        })
-        .fold(0.0, f64::max)
-}
-
 /// Slots per half of the prefill ring (0: none), re-choosing `hot` within what the ring leaves
-/// of an automatic budget. STRATA_PREFILL_RING=N gives N slots. Unset, a half holds what a prompt
-/// batch of `n_ubatch` tokens is expected to use in a layer with a quarter to spare (at most the
-/// largest cold tier of a layer, and within RING_MAX_SHARE of the budget): slots beyond that
-/// would only shrink the hot tier that decode depends on.
-fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>, n_ubatch: usize) -> usize {
+/// of an automatic budget. STRATA_PREFILL_RING=N gives N slots; unset, a half holds the largest
+/// cold tier of a layer (within RING_MAX_SHARE of the budget).
+fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>) -> usize {
     let cfg = &p.cfg;
     let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
     if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || emulate) {
@@ -273,19 +244,17 @@ fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>
     let slack = 3 * WINDOW_SLACK * p.layout.layers.len() as u64;
     let cost = |half: u64| 2 * half * expert_bytes + slack;
     let auto_budget = budget != u64::MAX && max == u64::MAX;
-    let n_used = u64::from(p.layout.n_expert_used);
-    let wanted = |hot: &[(i32, Vec<u32>)]| max_cold(hot).min((1.25 * batch_cold(p, hot, n_ubatch)).ceil() as u64 + n_used);
     let mut half = match cfg.ring_slots {
         Some(n) => (n / 2) as u64,
-        None => wanted(hot),
+        None => max_cold(hot),
     };
     if cfg.ring_slots.is_none() && auto_budget {
         let cap = ((budget as f64 * RING_MAX_SHARE) as u64).saturating_sub(slack) / (2 * expert_bytes.max(1));
         for _ in 0..3 {
-            half = wanted(hot).min(cap);
+            half = max_cold(hot).min(cap);
             *hot = choose(p, budget.saturating_sub(cost(half)), max);
         }
-        half = wanted(hot).min(cap);
+        half = max_cold(hot).min(cap);
     } else if auto_budget {
         *hot = choose(p, budget.saturating_sub(cost(half)), max);
     }
@@ -324,7 +293,7 @@ fn stand_ins(p: &Prepared, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, u32)> {
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
 /// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
 /// before any graph is computed.
-pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, n_ubatch: usize) -> Result<(), String> {
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), String> {
     let loaded = moe::expert_layers(model);
     for l in &p.layout.layers {
         let Some(m) = loaded.iter().find(|m| m.layer == l.layer as i32) else {
@@ -353,7 +322,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, n_ubatch: usize)
         }
     };
     let mut hot = choose(p, budget, max);
-    let ring_half = ring_half(p, budget, max, &mut hot, n_ubatch);
+    let ring_half = ring_half(p, budget, max, &mut hot);
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
@@ -528,28 +497,6 @@ mod tests {
     fn args(v: &[&str]) -> StrataArgs {
         let argv: Vec<String> = std::iter::once("strata-server").chain(v.iter().copied()).map(String::from).collect();
         crate::flags::split(&argv).unwrap().0
-    }
-
-    #[test]
-    fn the_ring_is_sized_by_what_a_prompt_batch_uses() {
-        // One layer of 64 experts, top-2; the profile makes experts 0..8 take nearly every selection.
-        let layout = ExpertLayout { arch: "qwen3moe".into(), n_layer: 1, n_expert: 64, n_expert_used: 2, n_embd: 64, layers: Vec::new() };
-        let mut hits = vec![1u64; 64];
-        hits[..8].iter_mut().for_each(|h| *h = 100_000);
-        let profile = Profile::from_counts("x", "qwen3moe", 1, 64, 2, 1000, "test", &[(0, hits)]);
-        let cfg = ExpertConfig::from_args(&args(&["--mmap-experts"])).unwrap().unwrap();
-        let p = Prepared { cfg, layout, sha256: None, profile: Some(profile) };
-        let hot: Vec<(i32, Vec<u32>)> = vec![(0, (0..4).collect())];
-        // Small batches reach the four popular cold experts and little of the 56-expert tail.
-        let small = batch_cold(&p, &hot, 32);
-        assert!((3.9..4.5).contains(&small), "{small}");
-        // Large batches reach the tail as well.
-        let large = batch_cold(&p, &hot, 10_000_000);
-        assert!(large > 55.0, "{large}");
-        // Without a profile: uniform.
-        let p = Prepared { profile: None, ..p };
-        let uniform = batch_cold(&p, &hot, 32);
-        assert!((uniform - 60.0 * (1.0 - (-64.0f64 / 64.0).exp())).abs() < 1e-9, "{uniform}");
     }
 
     #[test]
