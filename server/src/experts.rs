@@ -231,7 +231,8 @@ const WINDOW_SLACK: u64 = 2 << 20;
 
 /// Slots per half of the prefill ring (0: none), re-choosing `hot` within what the ring leaves
 /// of an automatic budget. STRATA_PREFILL_RING=N gives N slots; unset, a half holds the largest
-/// cold tier of a layer (within RING_MAX_SHARE of the budget).
+/// cold tier of a layer (within RING_MAX_SHARE of the budget): a layer whose cold tier exceeds a
+/// half sends every prompt batch's hidden state to the CPU and back, whether or not it overflows.
 fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>) -> usize {
     let cfg = &p.cfg;
     let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
