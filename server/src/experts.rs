@@ -17,19 +17,6 @@ use strata_residency::profile::Profile;
 
 use crate::flags::StrataArgs;
 
-/// The Strata flags this module implements.
-pub const FLAGS: [&str; 9] = [
-    "--mmap-experts",
-    "--resident-cpu-experts",
-    "--resident-experts",
-    "--expert-profile",
-    "--expert-profile-out",
-    "--expert-cache",
-    "--pool-workers",
-    "--pcie-frac",
-    "--vram-reserve-mib",
-];
-
 /// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
 /// GPU library's workspaces may grow past what the context reserved.
 const AUTO_MARGIN: u64 = 512 << 20;

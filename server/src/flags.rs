@@ -13,18 +13,33 @@ pub enum Kind {
 /// Rewrites an alias flag's value into llama-server arguments.
 pub type MapFn = fn(&str) -> Result<Vec<String>, String>;
 
+/// What a flag or variable does in this build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effect {
+    /// Read by the expert tiers (no effect unless one of their flags makes tiers).
+    Experts,
+    /// Rewritten onto llama-server flags, or read where its help says.
+    Active,
+    /// Accepted so that the seed's command lines run; warns that it does nothing yet.
+    NotYet,
+}
+
 pub struct Flag {
     pub name: &'static str,
     pub kind: Kind,
     pub help: &'static str,
     /// The llama-server arguments this flag stands for, if it is an alias.
     pub maps_to: Option<MapFn>,
+    pub effect: Effect,
 }
 
 pub struct EnvVar {
     pub name: &'static str,
     pub help: &'static str,
+    pub effect: Effect,
 }
+
+const NOT_YET: &str = " (accepted; no effect in this build yet)";
 
 fn onto(flags: &[&str], value: &str) -> Vec<String> {
     flags.iter().flat_map(|f| [f.to_string(), value.to_string()]).collect()
@@ -56,30 +71,34 @@ fn map_kv(v: &str) -> Result<Vec<String>, String> {
 }
 
 pub const FLAGS: &[Flag] = &[
-    Flag { name: "--mmap-experts", kind: Kind::Switch, help: "serve cold experts from the memory-mapped model file (the SSD fallback tier)", maps_to: None },
-    Flag { name: "--resident-cpu-experts", kind: Kind::Switch, help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)", maps_to: None },
-    Flag { name: "--resident-experts", kind: Kind::Switch, help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)", maps_to: None },
-    Flag { name: "--expert-profile", kind: Kind::Value("FILE"), help: "fixed, ranked expert profile written by tools/expert-profile", maps_to: None },
-    Flag { name: "--expert-profile-out", kind: Kind::Value("FILE"), help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)", maps_to: None },
-    Flag { name: "--expert-cache", kind: Kind::Value("auto|N"), help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers", maps_to: None },
-    Flag { name: "--prefill", kind: Kind::Value("N"), help: "prompt tokens per step; same as -b N -ub N", maps_to: Some(map_prefill) },
-    Flag { name: "--spec", kind: Kind::Value("N"), help: "tokens to draft per step; same as --spec-draft-n-max N", maps_to: Some(map_spec) },
-    Flag { name: "--spec-min-p", kind: Kind::Value("P"), help: "minimum draft probability; same as --spec-draft-p-min P", maps_to: Some(map_spec_min_p) },
-    Flag { name: "--max-context", kind: Kind::Value("N"), help: "context size; same as -c N", maps_to: Some(map_max_context) },
-    Flag { name: "--kv", kind: Kind::Value("int8|f16"), help: "KV cache type; int8 is -ctk q8_0 -ctv q8_0, f16 is -ctk f16 -ctv f16", maps_to: Some(map_kv) },
-    Flag { name: "--kv-resident", kind: Kind::Value("N"), help: "tokens of KV kept resident in VRAM", maps_to: None },
-    Flag { name: "--pool-workers", kind: Kind::Value("N"), help: "CPU workers computing cold experts during decode", maps_to: None },
-    Flag { name: "--adapt-every", kind: Kind::Value("N"), help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)", maps_to: None },
-    Flag { name: "--pcie-frac", kind: Kind::Value("F"), help: "share of decode misses uploaded over PCIe instead of computed on the CPU (0 = none)", maps_to: None },
-    Flag { name: "--vram-reserve-mib", kind: Kind::Value("N"), help: "VRAM left free for other processes, in MiB", maps_to: None },
+    Flag { name: "--mmap-experts", kind: Kind::Switch, help: "serve cold experts from the memory-mapped model file (the SSD fallback tier)", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--resident-cpu-experts", kind: Kind::Switch, help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--resident-experts", kind: Kind::Switch, help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--expert-profile", kind: Kind::Value("FILE"), help: "fixed, ranked expert profile written by tools/expert-profile", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--expert-profile-out", kind: Kind::Value("FILE"), help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--expert-cache", kind: Kind::Value("auto|N"), help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--prefill", kind: Kind::Value("N"), help: "prompt tokens per step; same as -b N -ub N", maps_to: Some(map_prefill), effect: Effect::Active },
+    Flag { name: "--spec", kind: Kind::Value("N"), help: "tokens to draft per step; same as --spec-draft-n-max N", maps_to: Some(map_spec), effect: Effect::Active },
+    Flag { name: "--spec-min-p", kind: Kind::Value("P"), help: "minimum draft probability; same as --spec-draft-p-min P", maps_to: Some(map_spec_min_p), effect: Effect::Active },
+    Flag { name: "--max-context", kind: Kind::Value("N"), help: "context size; same as -c N", maps_to: Some(map_max_context), effect: Effect::Active },
+    Flag { name: "--kv", kind: Kind::Value("int8|f16"), help: "KV cache type; int8 is -ctk q8_0 -ctv q8_0, f16 is -ctk f16 -ctv f16", maps_to: Some(map_kv), effect: Effect::Active },
+    Flag { name: "--kv-resident", kind: Kind::Value("N"), help: "tokens of KV kept resident in VRAM", maps_to: None, effect: Effect::NotYet },
+    Flag { name: "--pool-workers", kind: Kind::Value("N"), help: "CPU workers computing cold experts during decode", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--adapt-every", kind: Kind::Value("N"), help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)", maps_to: None, effect: Effect::NotYet },
+    Flag { name: "--pcie-frac", kind: Kind::Value("F"), help: "share of decode misses uploaded over PCIe instead of computed on the CPU (0 = none)", maps_to: None, effect: Effect::Experts },
+    Flag { name: "--vram-reserve-mib", kind: Kind::Value("N"), help: "VRAM left free for other processes, in MiB", maps_to: None, effect: Effect::Experts },
 ];
 
 pub const ENV_VARS: &[EnvVar] = &[
-    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP" },
-    EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)" },
-    EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)" },
-    EnvVar { name: "STRATA_RING_TRACE", help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)" },
-    EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD" },
+    EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)", effect: Effect::Experts },
+    EnvVar { name: "STRATA_RING_TRACE", help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)", effect: Effect::Experts },
+    EnvVar { name: "STRATA_RING_EMULATE", help: "1 = build the prefill ring on the CPU (host windows, memcpy copies; for tests without a GPU)", effect: Effect::Experts },
+    EnvVar { name: "STRATA_MOE_HOST_OP", help: "1 = run decode's cold experts as one host op in the GPU stream (needs patches/0002's hook)", effect: Effect::Experts },
+    EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
+    EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
+    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP", effect: Effect::NotYet },
+    EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)", effect: Effect::NotYet },
+    EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD", effect: Effect::NotYet },
 ];
 
 /// Strata flag values, by flag name; switches hold "".
@@ -150,13 +169,29 @@ pub fn help_section() -> String {
             Kind::Switch => f.name.to_string(),
             Kind::Value(hint) => format!("{} {hint}", f.name),
         };
-        let _ = writeln!(s, "{left:<40}{}", f.help);
+        let _ = writeln!(s, "{left:<40}{}{}", f.help, not_yet(f.effect));
     }
     s.push_str("\nenvironment:\n");
     for e in ENV_VARS {
-        let _ = writeln!(s, "{:<40}{}", e.name, e.help);
+        let _ = writeln!(s, "{:<40}{}{}", e.name, e.help, not_yet(e.effect));
     }
     s
+}
+
+fn not_yet(e: Effect) -> &'static str {
+    if e == Effect::NotYet { NOT_YET } else { "" }
+}
+
+/// Start-up warnings: flags taken that do nothing here (the expert flags without a tier),
+/// and variables set that this build does not read.
+pub fn warnings(strata: &StrataArgs, tiers: bool, env: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut out: Vec<String> = strata
+        .own_flags()
+        .filter(|n| FLAGS.iter().any(|f| f.name == *n && (f.effect == Effect::NotYet || (f.effect == Effect::Experts && !tiers))))
+        .map(|n| format!("{n} is accepted but has no effect in this build yet"))
+        .collect();
+    out.extend(ENV_VARS.iter().filter(|e| e.effect == Effect::NotYet && env(e.name)).map(|e| format!("{} is set but has no effect in this build yet", e.name)));
+    out
 }
 
 #[cfg(test)]
@@ -201,5 +236,49 @@ mod tests {
         for e in ENV_VARS {
             assert!(h.contains(e.name));
         }
+        let marked: Vec<&str> = h.lines().filter(|l| l.ends_with(NOT_YET)).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
+        assert_eq!(marked, ["--kv-resident", "--adapt-every", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING", "STRATA_IO_THREADS"]);
+    }
+
+    #[test]
+    fn warnings_name_what_does_nothing() {
+        let (strata, _) = split(&argv("--adapt-every 0 --pool-workers 4 --prefill 512")).unwrap();
+        let set = |v: &str| v == "STRATA_IO_THREADS" || v == "STRATA_PREFILL_RING";
+        let w = warnings(&strata, false, set);
+        assert_eq!(
+            w,
+            [
+                "--adapt-every is accepted but has no effect in this build yet",
+                "--pool-workers is accepted but has no effect in this build yet",
+                "STRATA_IO_THREADS is set but has no effect in this build yet",
+            ]
+        );
+        assert_eq!(warnings(&strata, true, |_| false), ["--adapt-every is accepted but has no effect in this build yet"]);
+    }
+
+    /// Every STRATA_ variable the server's crates read is in ENV_VARS, and every entry that is
+    /// not marked NotYet is read somewhere.
+    #[test]
+    fn env_vars_listed_are_the_ones_read() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        // Read only by the residency crate's tests (where they find the cached models).
+        let test_only = ["STRATA_MODELS"];
+        let mut read = std::collections::BTreeSet::new();
+        let mut stack: Vec<std::path::PathBuf> = ["server/src", "ffi/src", "residency/src"].iter().map(|d| root.join(d)).collect();
+        while let Some(p) = stack.pop() {
+            if p.is_dir() {
+                stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+            } else if p.extension().is_some_and(|e| e == "rs") && !p.ends_with("flags.rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (i, _) in text.match_indices("var(\"STRATA_").chain(text.match_indices("var_os(\"STRATA_")) {
+                    let start = i + text[i..].find('"').unwrap() + 1;
+                    let end = start + text[start..].find('"').unwrap();
+                    read.insert(text[start..end].to_string());
+                }
+            }
+        }
+        read.retain(|v| !test_only.contains(&v.as_str()));
+        let listed: std::collections::BTreeSet<String> = ENV_VARS.iter().filter(|e| e.effect != Effect::NotYet).map(|e| e.name.to_string()).collect();
+        assert_eq!(read, listed);
     }
 }

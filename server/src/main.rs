@@ -103,8 +103,8 @@ fn serve(
     llama_args: &[String],
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
-    for flag in strata.own_flags().filter(|f| experts.is_none() || !experts::FLAGS.contains(f)) {
-        eprintln!("strata: warning: {flag} is accepted but has no effect in this build yet");
+    for w in flags::warnings(&strata, experts.is_some(), |v| std::env::var_os(v).is_some()) {
+        eprintln!("strata: warning: {w}");
     }
     let cfg = params.to_json().context("reading parsed parameters")?;
     let hosts: Vec<String> = cfg["hostnames"]
