@@ -32,10 +32,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=STRATA_CUDA_ARCHS");
     println!("cargo:rerun-if-env-changed=STRATA_HIP_TARGETS");
 
-    let status = Command::new("bash")
-        .arg(repo.join("vendor/fetch"))
-        .status()
-        .expect("cannot run bash for vendor/fetch");
+    let status = Command::new("bash").arg(repo.join("vendor/fetch")).status().expect("cannot run bash for vendor/fetch");
     if !status.success() {
         panic!("vendor/fetch failed ({status}); its message above says why");
     }
@@ -114,11 +111,7 @@ fn build_llama(src: &Path) -> PathBuf {
 
 fn pin_build(src: &Path) -> String {
     let pin = std::fs::read_to_string(src.join("../pin.env")).expect("vendor/pin.env");
-    pin.lines()
-        .find_map(|l| l.strip_prefix("PIN_BUILD="))
-        .expect("PIN_BUILD in vendor/pin.env")
-        .trim()
-        .to_string()
+    pin.lines().find_map(|l| l.strip_prefix("PIN_BUILD=")).expect("PIN_BUILD in vendor/pin.env").trim().to_string()
 }
 
 fn which(tool: &str) -> bool {

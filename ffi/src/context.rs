@@ -216,9 +216,7 @@ impl<'m> Context<'m> {
         let mut tokens = vec![0 as Token; max_tokens.max(1)];
         let mut n = 0usize;
         // SAFETY: valid context and C string; tokens has room for max_tokens entries.
-        let read = unsafe {
-            sys::llama_state_seq_load_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_mut_ptr(), tokens.len(), &mut n)
-        };
+        let read = unsafe { sys::llama_state_seq_load_file(self.ptr.as_ptr(), c.as_ptr(), seq, tokens.as_mut_ptr(), tokens.len(), &mut n) };
         if read == 0 || n > max_tokens {
             return None;
         }

@@ -70,10 +70,7 @@ extern "C" fn moe_experts(user_data: *mut c_void, args: *const sys::strata_moe_e
     }
     // SAFETY: llama.cpp passes a pointer to a live args struct for the duration of the call.
     let args = MoeExperts { raw: unsafe { &*args } };
-    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).moe_experts(&args)))
-        .ok()
-        .flatten()
-        .map_or(std::ptr::null_mut(), NonNull::as_ptr)
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).moe_experts(&args))).ok().flatten().map_or(std::ptr::null_mut(), NonNull::as_ptr)
 }
 
 extern "C" fn graph_extra_nodes(user_data: *mut c_void, model: *const sys::llama_model) -> u32 {

@@ -13,10 +13,10 @@ mod batch;
 mod chat;
 mod context;
 mod error;
-mod lora;
 pub mod hooks;
-pub mod moe;
+mod lora;
 mod model;
+pub mod moe;
 mod params;
 mod router;
 mod sampler;
@@ -26,7 +26,7 @@ mod speculative;
 pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, LogLevel, Verbosity};
 pub use batch::Batch;
 pub use chat::{
-    build_info, chat_msg_diffs, check_chat_parser, json_parse_error, parse_chat_inputs, json_schema_to_grammar, parse_chat_message, validate_filename,
+    build_info, chat_msg_diffs, check_chat_parser, json_parse_error, json_schema_to_grammar, parse_chat_inputs, parse_chat_message, validate_filename,
     ChatTemplates,
 };
 pub use context::{Context, ContextParams, SeqRm, StateScope};

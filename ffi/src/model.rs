@@ -240,16 +240,7 @@ impl Vocab<'_> {
             let mut err = std::ptr::null_mut();
             // SAFETY: text is valid for len bytes (no NUL needed); out is writable for its length.
             let n = unsafe {
-                sys::strata_tokenize(
-                    self.ptr.as_ptr(),
-                    text.as_ptr().cast(),
-                    len,
-                    out.as_mut_ptr(),
-                    out.len() as i32,
-                    add_special,
-                    parse_special,
-                    &mut err,
-                )
+                sys::strata_tokenize(self.ptr.as_ptr(), text.as_ptr().cast(), len, out.as_mut_ptr(), out.len() as i32, add_special, parse_special, &mut err)
             };
             if let Some(e) = crate::shim_string::take(err) {
                 return Err(FfiError::Tokenize(e));
@@ -278,9 +269,7 @@ impl Vocab<'_> {
         loop {
             let n = call(|err| {
                 // SAFETY: buf is writable for its length.
-                let n = unsafe {
-                    sys::strata_token_to_piece(self.ptr.as_ptr(), t, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special, err)
-                };
+                let n = unsafe { sys::strata_token_to_piece(self.ptr.as_ptr(), t, buf.as_mut_ptr().cast(), buf.len() as i32, 0, special, err) };
                 (n != i32::MIN).then_some(n)
             })?;
             if n >= 0 {

@@ -24,15 +24,13 @@ impl ServerParams {
     /// Parses argv (argv[0] included) with llama.cpp's own parser for LLAMA_EXAMPLE_SERVER.
     /// `--help` prints upstream's text, calls `usage`, and exits 0 inside, as upstream does.
     pub fn parse(args: &[String], usage: Option<extern "C" fn(c_int, *mut *mut c_char)>) -> Result<ParseOutcome> {
-        let owned: Vec<CString> = args
-            .iter()
-            .map(|a| shim_string::cstring(a, "argument"))
-            .collect::<Result<_>>()?;
+        let owned: Vec<CString> = args.iter().map(|a| shim_string::cstring(a, "argument")).collect::<Result<_>>()?;
         let mut argv: Vec<*mut c_char> = owned.iter().map(|a| a.as_ptr() as *mut c_char).collect();
         argv.push(std::ptr::null_mut());
         // SAFETY: argv is a NULL-terminated array of valid C strings that outlive the call;
         // common_params_parse does not keep pointers into it.
-        let ptr = unsafe { sys::strata_params_parse(owned.len() as c_int, argv.as_mut_ptr(), usage.map(|f| f as unsafe extern "C" fn(c_int, *mut *mut c_char))) };
+        let ptr =
+            unsafe { sys::strata_params_parse(owned.len() as c_int, argv.as_mut_ptr(), usage.map(|f| f as unsafe extern "C" fn(c_int, *mut *mut c_char))) };
         Ok(match NonNull::new(ptr) {
             Some(ptr) => ParseOutcome::Parsed(Self { ptr }),
             None => ParseOutcome::Rejected,

@@ -46,17 +46,7 @@ impl Sampler {
         verify(idxs, draft, |out, err| {
             // SAFETY: idxs has draft.len() + 1 entries, out room for as many; the indices refer
             // to outputs of the last decode.
-            unsafe {
-                sys::strata_sampler_sample_and_accept_n(
-                    self.ptr.as_ptr(),
-                    ctx.as_ptr(),
-                    idxs.as_ptr(),
-                    draft.as_ptr(),
-                    draft.len() as i32,
-                    out,
-                    err,
-                )
-            }
+            unsafe { sys::strata_sampler_sample_and_accept_n(self.ptr.as_ptr(), ctx.as_ptr(), idxs.as_ptr(), draft.as_ptr(), draft.len() as i32, out, err) }
         })
     }
 
@@ -87,17 +77,8 @@ impl Sampler {
         let mut token_prob = 0f32;
         let n = call(|err| {
             // SAFETY: both buffers hold n_max entries; the shim writes at most that many.
-            let n = unsafe {
-                sys::strata_sampler_candidates(
-                    self.ptr.as_ptr(),
-                    token,
-                    &mut token_prob,
-                    ids.as_mut_ptr(),
-                    probs.as_mut_ptr(),
-                    n_max as i32,
-                    err,
-                )
-            };
+            let n =
+                unsafe { sys::strata_sampler_candidates(self.ptr.as_ptr(), token, &mut token_prob, ids.as_mut_ptr(), probs.as_mut_ptr(), n_max as i32, err) };
             (n >= 0).then_some((n as usize).min(n_max))
         })?;
         Ok((token_prob, ids.into_iter().zip(probs).take(n).collect()))

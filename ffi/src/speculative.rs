@@ -39,16 +39,7 @@ impl Speculative {
         let n = call(|err| {
             // SAFETY: tokens and out are valid for their lengths; the shim writes at most n_max.
             let n = unsafe {
-                sys::strata_speculative_draft(
-                    self.ptr.as_ptr(),
-                    seq,
-                    tokens.as_ptr(),
-                    tokens.len() as i32,
-                    last,
-                    out.as_mut_ptr(),
-                    n_max as i32,
-                    err,
-                )
+                sys::strata_speculative_draft(self.ptr.as_ptr(), seq, tokens.as_ptr(), tokens.len() as i32, last, out.as_mut_ptr(), n_max as i32, err)
             };
             (n >= 0).then_some(n as usize)
         })?;
@@ -70,10 +61,8 @@ impl Speculative {
         call(|err| {
             // SAFETY: token/pos/logits arrays hold n_tokens entries; seq has n entries; the shim
             // copies them into its own batch.
-            unsafe {
-                sys::strata_speculative_process(self.ptr.as_ptr(), target.as_ptr(), n as i32, raw.token, raw.pos, seq.as_ptr(), raw.logits, err)
-            }
-            .then_some(())
+            unsafe { sys::strata_speculative_process(self.ptr.as_ptr(), target.as_ptr(), n as i32, raw.token, raw.pos, seq.as_ptr(), raw.logits, err) }
+                .then_some(())
         })
     }
 

@@ -92,9 +92,7 @@ pub enum GgufError {
     Misaligned { tensor: String, offset: u64, alignment: u64 },
     #[error("tensor {tensor}: data [{start}, {end}) runs past the end of the file ({file_len} bytes)")]
     PastEnd { tensor: String, start: u64, end: u64, file_len: u64 },
-    #[error(
-        "tensor {second}: data [{second_start}, {second_end}) overlaps tensor {first} at [{first_start}, {first_end})"
-    )]
+    #[error("tensor {second}: data [{second_start}, {second_end}) overlaps tensor {first} at [{first_start}, {first_end})")]
     Overlap { first: String, first_start: u64, first_end: u64, second: String, second_start: u64, second_end: u64 },
     #[error("the {arch} model has no expert tensors (blk.N.ffn_*_exps.weight)")]
     NoExperts { arch: String },
@@ -352,25 +350,13 @@ impl GgufInfo {
 
     fn require_str(&self, key: &str) -> Result<&str, GgufError> {
         let value = self.require(key)?;
-        value.as_str().ok_or_else(|| GgufError::KeyType {
-            key: key.to_string(),
-            expected: "string",
-            found: value.value_type().name(),
-        })
+        value.as_str().ok_or_else(|| GgufError::KeyType { key: key.to_string(), expected: "string", found: value.value_type().name() })
     }
 
     fn require_u32(&self, key: &str) -> Result<u32, GgufError> {
         let value = self.require(key)?;
-        let n = value.as_u64().ok_or_else(|| GgufError::KeyType {
-            key: key.to_string(),
-            expected: "unsigned integer",
-            found: value.value_type().name(),
-        })?;
-        u32::try_from(n).map_err(|_| GgufError::BadKey {
-            key: key.to_string(),
-            value: n,
-            problem: "it must fit in 32 bits",
-        })
+        let n = value.as_u64().ok_or_else(|| GgufError::KeyType { key: key.to_string(), expected: "unsigned integer", found: value.value_type().name() })?;
+        u32::try_from(n).map_err(|_| GgufError::BadKey { key: key.to_string(), value: n, problem: "it must fit in 32 bits" })
     }
 }
 
@@ -398,12 +384,7 @@ impl<'a> Cursor<'a> {
                 Ok(bytes)
             }
             Some(end) if end <= self.file_len => Err(GgufError::NeedMoreBytes { have: self.buf.len() as u64 }),
-            _ => Err(GgufError::Truncated {
-                context: self.context.clone(),
-                at: self.at(),
-                need: n,
-                file_len: self.file_len,
-            }),
+            _ => Err(GgufError::Truncated { context: self.context.clone(), at: self.at(), need: n, file_len: self.file_len }),
         }
     }
 
@@ -499,8 +480,7 @@ fn skip_array(cur: &mut Cursor, key: &str, elem: ValueType, len: u64, depth: u32
         ValueType::Array => {
             for _ in 0..len {
                 let inner_id = cur.u32()?;
-                let inner = ValueType::from_id(inner_id)
-                    .ok_or_else(|| GgufError::BadValueType { key: key.to_string(), type_id: inner_id })?;
+                let inner = ValueType::from_id(inner_id).ok_or_else(|| GgufError::BadValueType { key: key.to_string(), type_id: inner_id })?;
                 let inner_len = cur.u64()?;
                 skip_array(cur, key, inner, inner_len, depth + 1)?;
             }
@@ -545,12 +525,7 @@ fn read_tensor_info(cur: &mut Cursor, index: u64, alignment: u64) -> Result<RawT
 
     let ggml = ggml_type(type_id).ok_or_else(|| GgufError::UnknownType { tensor: name.clone(), type_id })?;
     if !ne[0].is_multiple_of(ggml.block_size) {
-        return Err(GgufError::NotBlockMultiple {
-            tensor: name,
-            ne0: ne[0],
-            type_name: ggml.name,
-            block_size: ggml.block_size,
-        });
+        return Err(GgufError::NotBlockMultiple { tensor: name, ne0: ne[0], type_name: ggml.name, block_size: ggml.block_size });
     }
     let n_bytes = ne[1..]
         .iter()
@@ -604,13 +579,7 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<GgufInfo, GgufError> 
     let alignment = match kv.iter().find(|(k, _)| k == ALIGNMENT_KEY) {
         None => DEFAULT_ALIGNMENT,
         Some((_, Value::U32(a))) => u64::from(*a),
-        Some((_, other)) => {
-            return Err(GgufError::KeyType {
-                key: ALIGNMENT_KEY.into(),
-                expected: "uint32",
-                found: other.value_type().name(),
-            })
-        }
+        Some((_, other)) => return Err(GgufError::KeyType { key: ALIGNMENT_KEY.into(), expected: "uint32", found: other.value_type().name() }),
     };
     if !alignment.is_power_of_two() {
         return Err(GgufError::BadAlignment(alignment));
@@ -630,12 +599,7 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<GgufInfo, GgufError> 
     let data_offset = if n_tensors == 0 { Some(header_len) } else { header_len.checked_next_multiple_of(alignment) };
     let data_offset = data_offset.unwrap_or(u64::MAX);
     if data_offset > file_len {
-        return Err(GgufError::Truncated {
-            context: "the padding before the tensor data".into(),
-            at: header_len,
-            need: data_offset - header_len,
-            file_len,
-        });
+        return Err(GgufError::Truncated { context: "the padding before the tensor data".into(), at: header_len, need: data_offset - header_len, file_len });
     }
 
     let tensors = raw
@@ -643,14 +607,9 @@ pub fn parse_header(bytes: &[u8], file_len: u64) -> Result<GgufInfo, GgufError> 
         .map(|t| {
             let end = data_offset.checked_add(t.rel_offset).and_then(|start| start.checked_add(t.n_bytes));
             match end {
-                Some(end) if end <= file_len => Ok(TensorInfo {
-                    name: t.name,
-                    n_dims: t.n_dims,
-                    ne: t.ne,
-                    ggml_type: t.ggml_type,
-                    offset: data_offset + t.rel_offset,
-                    n_bytes: t.n_bytes,
-                }),
+                Some(end) if end <= file_len => {
+                    Ok(TensorInfo { name: t.name, n_dims: t.n_dims, ne: t.ne, ggml_type: t.ggml_type, offset: data_offset + t.rel_offset, n_bytes: t.n_bytes })
+                }
                 _ => {
                     let start = data_offset.saturating_add(t.rel_offset);
                     Err(GgufError::PastEnd { tensor: t.name, start, end: start.saturating_add(t.n_bytes), file_len })
@@ -700,16 +659,10 @@ fn read_info_from(path: &Path, first_read: u64) -> Result<GgufInfo, GgufError> {
         let missing = want - buf.len() as u64;
         let got = file.by_ref().take(missing).read_to_end(&mut buf).map_err(io_error(path))?;
         if (got as u64) < missing {
-            return Err(GgufError::FileChanged {
-                path: path.to_path_buf(),
-                expected: file_len,
-                found: buf.len() as u64,
-            });
+            return Err(GgufError::FileChanged { path: path.to_path_buf(), expected: file_len, found: buf.len() as u64 });
         }
         match parse_header(&buf, file_len) {
-            Err(GgufError::NeedMoreBytes { .. }) if want >= MAX_HEADER_BYTES => {
-                return Err(GgufError::HeaderTooLarge { limit: MAX_HEADER_BYTES })
-            }
+            Err(GgufError::NeedMoreBytes { .. }) if want >= MAX_HEADER_BYTES => return Err(GgufError::HeaderTooLarge { limit: MAX_HEADER_BYTES }),
             Err(GgufError::NeedMoreBytes { .. }) => want = want.saturating_mul(2).min(file_len).min(MAX_HEADER_BYTES),
             result => return result,
         }
@@ -827,17 +780,12 @@ pub fn expert_layout(info: &GgufInfo) -> Result<ExpertLayout, GgufError> {
     let used_key = format!("{arch}.expert_used_count");
     let n_expert_used = info.require_u32(&used_key)?;
     if n_expert_used == 0 || n_expert_used > n_expert {
-        return Err(GgufError::BadKey {
-            key: used_key,
-            value: n_expert_used.into(),
-            problem: "it must be between 1 and the expert count",
-        });
+        return Err(GgufError::BadKey { key: used_key, value: n_expert_used.into(), problem: "it must be between 1 and the expert count" });
     }
 
     let mut by_layer: BTreeMap<u32, HashMap<MatKind, &TensorInfo>> = BTreeMap::new();
     for tensor in &info.tensors {
-        let Some((layer, kind)) = block_tensor(&tensor.name).and_then(|(l, s)| Some((l, MatKind::from_suffix(s)?)))
-        else {
+        let Some((layer, kind)) = block_tensor(&tensor.name).and_then(|(l, s)| Some((l, MatKind::from_suffix(s)?))) else {
             continue;
         };
         if layer >= n_layer {
@@ -874,24 +822,11 @@ fn expert_matrix(kind: MatKind, tensor: &TensorInfo, n_expert: u32) -> Result<Ex
         .and_then(|t| t.row_bytes(ne0))
         .and_then(|row| row.checked_mul(ne1))
         .ok_or_else(|| shape_error(tensor, "has no valid byte size".into()))?;
-    Ok(ExpertMatrix {
-        kind,
-        name: tensor.name.clone(),
-        ggml_type: tensor.ggml_type,
-        ne: [ne0, ne1, ne2],
-        offset: tensor.offset,
-        expert_bytes,
-    })
+    Ok(ExpertMatrix { kind, name: tensor.name.clone(), ggml_type: tensor.ggml_type, ne: [ne0, ne1, ne2], offset: tensor.offset, expert_bytes })
 }
 
-fn expert_layer(
-    layer: u32,
-    tensors: &HashMap<MatKind, &TensorInfo>,
-    n_expert: u32,
-    n_embd: &mut Option<u64>,
-) -> Result<ExpertLayer, GgufError> {
-    let missing =
-        |kind: MatKind| GgufError::MissingExpertMatrix { layer, missing: format!("blk.{layer}.{}", kind.suffix()) };
+fn expert_layer(layer: u32, tensors: &HashMap<MatKind, &TensorInfo>, n_expert: u32, n_embd: &mut Option<u64>) -> Result<ExpertLayer, GgufError> {
+    let missing = |kind: MatKind| GgufError::MissingExpertMatrix { layer, missing: format!("blk.{layer}.{}", kind.suffix()) };
     let down = *tensors.get(&MatKind::Down).ok_or_else(|| missing(MatKind::Down))?;
 
     let (input, n_ff) = if let Some(&gate_up) = tensors.get(&MatKind::GateUp) {
@@ -914,9 +849,7 @@ fn expert_layer(
 
     let layer_embd = input.ne[0];
     match *n_embd {
-        Some(expected) if expected != layer_embd => {
-            return Err(shape_error(input, format!("has n_embd {layer_embd}, but earlier layers have {expected}")))
-        }
+        Some(expected) if expected != layer_embd => return Err(shape_error(input, format!("has n_embd {layer_embd}, but earlier layers have {expected}"))),
         _ => *n_embd = Some(layer_embd),
     }
     if down.ne[0] != n_ff || down.ne[1] != layer_embd {
@@ -956,11 +889,7 @@ fn hash_range(file: &mut File, path: &Path, range: Range<u64>, hasher: &mut Sha2
     let want = range.end - range.start;
     let copied = io::copy(&mut file.by_ref().take(want), hasher).map_err(io_error(path))?;
     if copied != want {
-        return Err(GgufError::FileChanged {
-            path: path.to_path_buf(),
-            expected: range.end,
-            found: range.start + copied,
-        });
+        return Err(GgufError::FileChanged { path: path.to_path_buf(), expected: range.end, found: range.start + copied });
     }
     Ok(())
 }
@@ -1188,10 +1117,7 @@ mod tests {
         assert_eq!(up.expert_range(4), None);
 
         let l1 = &layout.layers[1];
-        assert_eq!(
-            l1.mats.iter().map(|m| (m.kind, m.expert_bytes)).collect::<Vec<_>>(),
-            [(MatKind::GateUp, 64 * 64 * 4), (MatKind::Down, 32 * 64 * 4)]
-        );
+        assert_eq!(l1.mats.iter().map(|m| (m.kind, m.expert_bytes)).collect::<Vec<_>>(), [(MatKind::GateUp, 64 * 64 * 4), (MatKind::Down, 32 * 64 * 4)]);
         assert_eq!(layout.total_expert_bytes(), 4 * (3 * 2176 + 64 * 64 * 4 + 32 * 64 * 4));
         assert_eq!(layout.layer(1), Some(l1));
         assert_eq!(layout.layer(2), None);
@@ -1275,9 +1201,7 @@ mod tests {
         let mut key = preamble(3, 0, 1);
         put_u64(&mut key, 1 << 60);
         key.extend_from_slice(&[0; 32]);
-        assert!(
-            matches!(parse_header(&key, key.len() as u64), Err(GgufError::Truncated { need, .. }) if need == 1 << 60)
-        );
+        assert!(matches!(parse_header(&key, key.len() as u64), Err(GgufError::Truncated { need, .. }) if need == 1 << 60));
 
         let mut value = preamble(3, 0, 1);
         put_str(&mut value, "general.name");
@@ -1386,9 +1310,7 @@ mod tests {
         let mut w = tiny_moe();
         w.tensor("blk.0.ffn_up_exps.weight").offset = Some(16);
         let err = w.parse().unwrap_err();
-        assert!(
-            matches!(&err, GgufError::Misaligned { tensor, offset: 16, alignment: 32 } if tensor == "blk.0.ffn_up_exps.weight")
-        );
+        assert!(matches!(&err, GgufError::Misaligned { tensor, offset: 16, alignment: 32 } if tensor == "blk.0.ffn_up_exps.weight"));
 
         let mut w = tiny_moe();
         w.tensor("blk.0.ffn_up_exps.weight").offset = Some(0);
@@ -1456,18 +1378,12 @@ mod tests {
         let mut w = tiny_moe();
         w.tensor("blk.0.ffn_gate_exps.weight").ne = vec![64, 64, 4];
         let err = w.layout().unwrap_err();
-        assert!(
-            matches!(&err, GgufError::ExpertShape { tensor, .. } if tensor == "blk.0.ffn_gate_exps.weight"),
-            "{err}"
-        );
+        assert!(matches!(&err, GgufError::ExpertShape { tensor, .. } if tensor == "blk.0.ffn_gate_exps.weight"), "{err}");
 
         let mut w = tiny_moe();
         w.tensor("blk.0.ffn_down_exps.weight").ne = vec![64, 32, 4];
         let err = w.layout().unwrap_err();
-        assert!(
-            matches!(&err, GgufError::ExpertShape { tensor, .. } if tensor == "blk.0.ffn_down_exps.weight"),
-            "{err}"
-        );
+        assert!(matches!(&err, GgufError::ExpertShape { tensor, .. } if tensor == "blk.0.ffn_down_exps.weight"), "{err}");
 
         let mut w = tiny_moe();
         w.tensor("blk.1.ffn_gate_up_exps.weight").ne = vec![32, 64, 4];
@@ -1481,9 +1397,7 @@ mod tests {
 
         let mut w = tiny_moe();
         w.add("blk.1.ffn_up_exps.weight", F32, &[64, 32, 4]);
-        assert!(
-            matches!(w.layout(), Err(GgufError::ExpertShape { tensor, .. }) if tensor == "blk.1.ffn_up_exps.weight")
-        );
+        assert!(matches!(w.layout(), Err(GgufError::ExpertShape { tensor, .. }) if tensor == "blk.1.ffn_up_exps.weight"));
 
         let mut w = tiny_moe();
         w.tensor("blk.0.ffn_up_exps.weight").ne = vec![64, 32, 4, 2];
@@ -1497,15 +1411,11 @@ mod tests {
         let mut w = tiny_moe();
         w.remove("blk.0.ffn_down_exps.weight");
         let err = w.layout().unwrap_err();
-        assert!(
-            matches!(&err, GgufError::MissingExpertMatrix { layer: 0, missing } if missing == "blk.0.ffn_down_exps.weight")
-        );
+        assert!(matches!(&err, GgufError::MissingExpertMatrix { layer: 0, missing } if missing == "blk.0.ffn_down_exps.weight"));
 
         let mut w = tiny_moe();
         w.remove("blk.0.ffn_up_exps.weight");
-        assert!(
-            matches!(w.layout(), Err(GgufError::MissingExpertMatrix { layer: 0, missing }) if missing.contains("ffn_up_exps"))
-        );
+        assert!(matches!(w.layout(), Err(GgufError::MissingExpertMatrix { layer: 0, missing }) if missing.contains("ffn_up_exps")));
 
         let mut w = tiny_moe();
         w.remove("blk.0.ffn_gate_exps.weight");
@@ -1591,9 +1501,7 @@ mod tests {
     }
 
     fn models_dir() -> PathBuf {
-        std::env::var_os("STRATA_MODELS")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"))
+        std::env::var_os("STRATA_MODELS").map(PathBuf::from).unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"))
     }
 
     #[test]

@@ -93,14 +93,7 @@ pub enum GuardError {
         gib(*headroom),
         gib(*available)
     )]
-    Refused {
-        kind: CopyKind,
-        request: u64,
-        headroom: u64,
-        available: u64,
-        what: String,
-        detail: String,
-    },
+    Refused { kind: CopyKind, request: u64, headroom: u64, available: u64, what: String, detail: String },
 }
 
 /// One upper bound on the memory available to this process.
@@ -132,19 +125,13 @@ impl Report {
             }
         }
         let available = bounds.get(tightest).map_or(0, |b| b.available);
-        Report {
-            available,
-            bounds,
-            tightest,
-        }
+        Report { available, bounds, tightest }
     }
 
     /// Admits a copy of `request` bytes if it leaves the kind's headroom free.
     pub fn admit(&self, request: u64, kind: CopyKind) -> Result<(), GuardError> {
         let headroom = kind.headroom();
-        let fits = request
-            .checked_add(headroom)
-            .is_some_and(|need| need <= self.available);
+        let fits = request.checked_add(headroom).is_some_and(|need| need <= self.available);
         if fits {
             return Ok(());
         }
@@ -152,14 +139,7 @@ impl Report {
             Some(b) => (b.what.clone(), b.detail.clone()),
             None => ("nothing measured".to_string(), String::new()),
         };
-        Err(GuardError::Refused {
-            kind,
-            request,
-            headroom,
-            available: self.available,
-            what,
-            detail,
-        })
+        Err(GuardError::Refused { kind, request, headroom, available: self.available, what, detail })
     }
 
     /// One log line: the available memory, the bound that sets it, and the other bounds.
@@ -168,13 +148,8 @@ impl Report {
         if let Some(tight) = self.bounds.get(self.tightest) {
             line.push_str(&format!(", bounded by {} ({})", tight.what, tight.detail));
         }
-        let others: Vec<String> = self
-            .bounds
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != self.tightest)
-            .map(|(_, b)| format!("{} {}", b.what, gib(b.available)))
-            .collect();
+        let others: Vec<String> =
+            self.bounds.iter().enumerate().filter(|(i, _)| *i != self.tightest).map(|(_, b)| format!("{} {}", b.what, gib(b.available))).collect();
         if !others.is_empty() {
             line.push_str(&format!("; also {}", others.join(", ")));
         }
@@ -195,35 +170,19 @@ pub fn measure_host() -> Result<Report, GuardError> {
 pub fn measure(root: &Path) -> Result<Report, GuardError> {
     let meminfo_path = root.join("proc/meminfo");
     let host = read_parsed(&meminfo_path, parse_meminfo)?;
-    let mut bounds = vec![Bound {
-        what: "host MemAvailable".to_string(),
-        available: host,
-        detail: format!("MemAvailable {}", gib(host)),
-    }];
+    let mut bounds = vec![Bound { what: "host MemAvailable".to_string(), available: host, detail: format!("MemAvailable {}", gib(host)) }];
 
     let cgroup_path = root.join("proc/self/cgroup");
     let own = read_parsed(&cgroup_path, parse_self_cgroup)?;
     if let Some(v1) = &own.v1_memory {
-        return Err(GuardError::NoCgroupV2(format!(
-            "the memory controller is bound to a cgroup-v1 hierarchy (memory:{v1}), whose limits it does not read"
-        )));
+        return Err(GuardError::NoCgroupV2(format!("the memory controller is bound to a cgroup-v1 hierarchy (memory:{v1}), whose limits it does not read")));
     }
     let Some(process) = own.v2_path else {
-        return Err(GuardError::NoCgroupV2(format!(
-            "{} has no cgroup-v2 (0::) entry",
-            cgroup_path.display()
-        )));
+        return Err(GuardError::NoCgroupV2(format!("{} has no cgroup-v2 (0::) entry", cgroup_path.display())));
     };
-    let process_parts = components(&process).ok_or_else(|| {
-        parse_err(
-            &cgroup_path,
-            format!("cgroup path {process:?} is not absolute"),
-        )
-    })?;
+    let process_parts = components(&process).ok_or_else(|| parse_err(&cgroup_path, format!("cgroup path {process:?} is not absolute")))?;
     if process_parts.contains(&"..") {
-        return Err(GuardError::NoCgroupV2(format!(
-            "the process's cgroup {process} lies outside its cgroup namespace"
-        )));
+        return Err(GuardError::NoCgroupV2(format!("the process's cgroup {process} lies outside its cgroup namespace")));
     }
 
     let mountinfo_path = root.join("proc/self/mountinfo");
@@ -232,10 +191,7 @@ pub fn measure(root: &Path) -> Result<Report, GuardError> {
         GuardError::NoCgroupV2(if mounts.is_empty() {
             format!("no cgroup2 mount in {}", mountinfo_path.display())
         } else {
-            format!(
-                "no cgroup2 mount in {} contains the process's cgroup {process}",
-                mountinfo_path.display()
-            )
+            format!("no cgroup2 mount in {} contains the process's cgroup {process}", mountinfo_path.display())
         })
     })?;
 
@@ -244,11 +200,7 @@ pub fn measure(root: &Path) -> Result<Report, GuardError> {
     for depth in (0..=below.len()).rev() {
         let mut dir = mount_dir.clone();
         dir.extend(&below[..depth]);
-        let name: Vec<&str> = mount_root_parts
-            .iter()
-            .chain(&below[..depth])
-            .copied()
-            .collect();
+        let name: Vec<&str> = mount_root_parts.iter().chain(&below[..depth]).copied().collect();
         let what = format!("cgroup /{}", name.join("/"));
         if let Some(bound) = read_cgroup(&dir)?.and_then(|memory| memory.bound(&what)) {
             bounds.push(bound);
@@ -258,10 +210,7 @@ pub fn measure(root: &Path) -> Result<Report, GuardError> {
 }
 
 /// The chosen mount and the process's cgroup path components below its root.
-fn pick_mount<'a, 'p>(
-    mounts: &'a [Cgroup2Mount],
-    process: &[&'p str],
-) -> Option<(&'a Cgroup2Mount, Vec<&'p str>)> {
+fn pick_mount<'a, 'p>(mounts: &'a [Cgroup2Mount], process: &[&'p str]) -> Option<(&'a Cgroup2Mount, Vec<&'p str>)> {
     let mut best: Option<(&Cgroup2Mount, usize)> = None;
     for mount in mounts {
         let Some(root) = components(&mount.root) else {
@@ -282,11 +231,7 @@ fn pick_mount<'a, 'p>(
 /// The non-empty components of an absolute slash path, or `None` if it is relative.
 fn components(path: &str) -> Option<Vec<&str>> {
     let rest = path.strip_prefix('/')?;
-    Some(
-        rest.split('/')
-            .filter(|p| !p.is_empty() && *p != ".")
-            .collect(),
-    )
+    Some(rest.split('/').filter(|p| !p.is_empty() && *p != ".").collect())
 }
 
 /// The memory files of one cgroup, `None` when it sets no finite limit.
@@ -306,19 +251,11 @@ fn read_cgroup(dir: &Path) -> Result<Option<CgroupMemory>, GuardError> {
     }
     let current = read_parsed(&dir.join("memory.current"), parse_bytes)?;
     let stat = read_parsed(&dir.join("memory.stat"), parse_memory_stat)?;
-    Ok(Some(CgroupMemory {
-        max,
-        high,
-        current,
-        stat,
-    }))
+    Ok(Some(CgroupMemory { max, high, current, stat }))
 }
 
 fn read(path: &Path) -> Result<String, GuardError> {
-    std::fs::read_to_string(path).map_err(|source| GuardError::Read {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| GuardError::Read { path: path.to_path_buf(), source })
 }
 
 fn read_parsed<T>(path: &Path, parse: impl Fn(&str) -> Result<T, String>) -> Result<T, GuardError> {
@@ -329,18 +266,12 @@ fn read_optional(path: &Path) -> Result<Option<String>, GuardError> {
     match std::fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(GuardError::Read {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(GuardError::Read { path: path.to_path_buf(), source }),
     }
 }
 
 fn parse_err(path: &Path, reason: String) -> GuardError {
-    GuardError::Parse {
-        path: path.to_path_buf(),
-        reason,
-    }
+    GuardError::Parse { path: path.to_path_buf(), reason }
 }
 
 /// The memory state of one cgroup.
@@ -357,10 +288,7 @@ impl CgroupMemory {
     fn bound(&self, what: &str) -> Option<Bound> {
         let (limit, limit_desc) = match (self.max, self.high) {
             (None, None) => return None,
-            (Some(max), Some(high)) if high < max => (
-                high,
-                format!("memory.high {} (below memory.max {})", gib(high), gib(max)),
-            ),
+            (Some(max), Some(high)) if high < max => (high, format!("memory.high {} (below memory.max {})", gib(high), gib(max))),
             (None, Some(high)) => (high, format!("memory.high {}", gib(high))),
             (Some(max), _) => (max, format!("limit {}", gib(max))),
         };
@@ -369,11 +297,7 @@ impl CgroupMemory {
         Some(Bound {
             what: what.to_string(),
             available: limit.saturating_sub(pinned_usage),
-            detail: format!(
-                "{limit_desc}, usage {} of which {} reclaimable clean file cache",
-                gib(self.current),
-                gib(reclaimable)
-            ),
+            detail: format!("{limit_desc}, usage {} of which {} reclaimable clean file cache", gib(self.current), gib(reclaimable)),
         })
     }
 }
@@ -389,9 +313,7 @@ pub struct FileStat {
 impl FileStat {
     /// Inactive file cache that can be dropped without writing anything back.
     pub fn clean_inactive(&self) -> u64 {
-        self.inactive_file
-            .saturating_sub(self.file_dirty)
-            .saturating_sub(self.file_writeback)
+        self.inactive_file.saturating_sub(self.file_dirty).saturating_sub(self.file_writeback)
     }
 }
 
@@ -420,13 +342,9 @@ pub fn parse_meminfo(text: &str) -> Result<u64, String> {
         };
         let mut fields = rest.split_whitespace();
         let value = fields.next().ok_or("MemAvailable has no value")?;
-        let kib: u64 = value
-            .parse()
-            .map_err(|_| format!("MemAvailable value {value:?} is not a number"))?;
+        let kib: u64 = value.parse().map_err(|_| format!("MemAvailable value {value:?} is not a number"))?;
         return match (fields.next(), fields.next()) {
-            (Some("kB"), None) => kib
-                .checked_mul(KIB)
-                .ok_or_else(|| format!("MemAvailable {kib} kB overflows")),
+            (Some("kB"), None) => kib.checked_mul(KIB).ok_or_else(|| format!("MemAvailable {kib} kB overflows")),
             _ => Err(format!("MemAvailable line {line:?} is not in kB")),
         };
     }
@@ -450,18 +368,10 @@ pub fn parse_memory_stat(text: &str) -> Result<FileStat, String> {
             "file_writeback" => &mut writeback,
             _ => continue,
         };
-        *slot = Some(
-            value
-                .parse::<u64>()
-                .map_err(|_| format!("{key} value {value:?} is not a number"))?,
-        );
+        *slot = Some(value.parse::<u64>().map_err(|_| format!("{key} value {value:?} is not a number"))?);
     }
     let need = |value: Option<u64>, key: &str| value.ok_or_else(|| format!("no {key} line"));
-    Ok(FileStat {
-        inactive_file: need(inactive, "inactive_file")?,
-        file_dirty: need(dirty, "file_dirty")?,
-        file_writeback: need(writeback, "file_writeback")?,
-    })
+    Ok(FileStat { inactive_file: need(inactive, "inactive_file")?, file_dirty: need(dirty, "file_dirty")?, file_writeback: need(writeback, "file_writeback")? })
 }
 
 /// The cgroup-v2 path and any cgroup-v1 memory path from `/proc/self/cgroup`.
@@ -469,9 +379,7 @@ pub fn parse_self_cgroup(text: &str) -> Result<SelfCgroup, String> {
     let mut own = SelfCgroup::default();
     for line in text.lines().filter(|l| !l.is_empty()) {
         let mut fields = line.splitn(3, ':');
-        let (Some(id), Some(controllers), Some(path)) =
-            (fields.next(), fields.next(), fields.next())
-        else {
+        let (Some(id), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
             return Err(format!("line {line:?} is not `id:controllers:path`"));
         };
         if id == "0" && controllers.is_empty() {
@@ -489,18 +397,14 @@ pub fn parse_mountinfo(text: &str) -> Result<Vec<Cgroup2Mount>, String> {
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let fields: Vec<&str> = line.split_whitespace().collect();
         let separator = fields.iter().skip(6).position(|f| *f == "-").map(|i| i + 6);
-        let (Some(sep), Some(root), Some(mount_point)) = (separator, fields.get(3), fields.get(4))
-        else {
+        let (Some(sep), Some(root), Some(mount_point)) = (separator, fields.get(3), fields.get(4)) else {
             return Err(format!("line {line:?} is not a mountinfo entry"));
         };
         let Some(fstype) = fields.get(sep + 1) else {
             return Err(format!("line {line:?} has no filesystem type"));
         };
         if *fstype == "cgroup2" {
-            mounts.push(Cgroup2Mount {
-                root: unescape(root)?,
-                mount_point: unescape(mount_point)?,
-            });
+            mounts.push(Cgroup2Mount { root: unescape(root)?, mount_point: unescape(mount_point)? });
         }
     }
     Ok(mounts)
@@ -539,9 +443,7 @@ pub fn parse_limit(text: &str) -> Result<Option<u64>, String> {
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
     let value = text.trim();
-    value
-        .parse()
-        .map_err(|_| format!("{value:?} is not a byte count"))
+    value.parse().map_err(|_| format!("{value:?} is not a byte count"))
 }
 
 /// Feeds arbitrary bytes to every parser and to the bound arithmetic; used by the fuzz target.
@@ -552,12 +454,7 @@ pub fn fuzz_parsers(data: &[u8]) {
     let _ = parse_mountinfo(&text);
     let _ = parse_limit(&text);
     if let Ok(stat) = parse_memory_stat(&text) {
-        let memory = CgroupMemory {
-            max: Some(stat.file_writeback),
-            high: Some(stat.file_dirty),
-            current: stat.inactive_file,
-            stat,
-        };
+        let memory = CgroupMemory { max: Some(stat.file_writeback), high: Some(stat.file_dirty), current: stat.inactive_file, stat };
         if let Some(bound) = memory.bound("cgroup /fuzz") {
             let report = Report::from_bounds(vec![bound]);
             let _ = report.admit(stat.inactive_file, CopyKind::PageLocked);
@@ -588,13 +485,8 @@ mod tests {
 
     impl Tree {
         fn new(mem_available: u64, self_cgroup: &str, mountinfo: &str) -> Tree {
-            let tree = Tree {
-                dir: TempDir::new().unwrap(),
-            };
-            tree.write(
-                "proc/meminfo",
-                &format!("MemTotal: 1 kB\nMemAvailable: {} kB\n", mem_available / KIB),
-            );
+            let tree = Tree { dir: TempDir::new().unwrap() };
+            tree.write("proc/meminfo", &format!("MemTotal: 1 kB\nMemAvailable: {} kB\n", mem_available / KIB));
             tree.write("proc/self/cgroup", self_cgroup);
             tree.write("proc/self/mountinfo", mountinfo);
             tree
@@ -621,10 +513,7 @@ mod tests {
             self.write(&format!("{group}/memory.current"), &format!("{current}\n"));
             self.write(
                 &format!("{group}/memory.stat"),
-                &format!(
-                    "anon 1\nfile 2\ninactive_file {}\nactive_file 3\nfile_dirty {}\nfile_writeback {}\n",
-                    stat[0], stat[1], stat[2]
-                ),
+                &format!("anon 1\nfile 2\ninactive_file {}\nactive_file 3\nfile_dirty {}\nfile_writeback {}\n", stat[0], stat[1], stat[2]),
             );
         }
 
@@ -652,20 +541,12 @@ mod tests {
     fn single_finite_limit() {
         let tree = Tree::host(100 * G, "/user.slice/app");
         tree.unlimited("sys/fs/cgroup/user.slice");
-        tree.limited(
-            "sys/fs/cgroup/user.slice/app",
-            32 * G,
-            20 * G,
-            [3 * G, 0, 0],
-        );
+        tree.limited("sys/fs/cgroup/user.slice/app", 32 * G, 20 * G, [3 * G, 0, 0]);
         let report = tree.measure().unwrap();
         assert_eq!(report.available, 15 * G);
         let bound = tightest(&report);
         assert_eq!(bound.what, "cgroup /user.slice/app");
-        assert_eq!(
-            bound.detail,
-            "limit 32.0 GiB, usage 20.0 GiB of which 3.0 GiB reclaimable clean file cache"
-        );
+        assert_eq!(bound.detail, "limit 32.0 GiB, usage 20.0 GiB of which 3.0 GiB reclaimable clean file cache");
     }
 
     #[test]
@@ -734,9 +615,7 @@ mod tests {
         tree.write("sys/fs/cgroup/a/memory.high", &format!("{}\n", 24 * G));
         let report = tree.measure().unwrap();
         assert_eq!(report.available, 20 * G);
-        assert!(tightest(&report)
-            .detail
-            .starts_with("memory.high 24.0 GiB (below memory.max 32.0 GiB)"));
+        assert!(tightest(&report).detail.starts_with("memory.high 24.0 GiB (below memory.max 32.0 GiB)"));
 
         tree.write("sys/fs/cgroup/a/memory.max", "max\n");
         assert_eq!(tree.measure().unwrap().available, 20 * G);
@@ -758,10 +637,7 @@ mod tests {
 
         let tree = Tree::new(100 * G, "0::/other\n", mountinfo);
         let err = tree.measure().unwrap_err().to_string();
-        assert!(
-            err.contains("contains the process's cgroup /other"),
-            "{err}"
-        );
+        assert!(err.contains("contains the process's cgroup /other"), "{err}");
     }
 
     #[test]
@@ -785,27 +661,18 @@ mod tests {
     fn cgroup_v1_only_is_refused() {
         let self_cgroup = "4:memory:/user.slice\n3:cpu,cpuacct:/\n";
         let mountinfo = "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
-        let err = Tree::new(100 * G, self_cgroup, mountinfo)
-            .measure()
-            .unwrap_err();
+        let err = Tree::new(100 * G, self_cgroup, mountinfo).measure().unwrap_err();
         assert!(matches!(err, GuardError::NoCgroupV2(_)), "{err}");
         assert!(err.to_string().contains("cgroup-v1"), "{err}");
 
-        let err = Tree::new(100 * G, "3:cpu,cpuacct:/\n", mountinfo)
-            .measure()
-            .unwrap_err();
-        assert!(
-            err.to_string().contains("no cgroup-v2 (0::) entry"),
-            "{err}"
-        );
+        let err = Tree::new(100 * G, "3:cpu,cpuacct:/\n", mountinfo).measure().unwrap_err();
+        assert!(err.to_string().contains("no cgroup-v2 (0::) entry"), "{err}");
     }
 
     #[test]
     fn hybrid_hierarchy_with_v1_memory_is_refused() {
         let self_cgroup = "4:memory:/batch\n0::/\n";
-        let err = Tree::new(100 * G, self_cgroup, HOST_MOUNTINFO)
-            .measure()
-            .unwrap_err();
+        let err = Tree::new(100 * G, self_cgroup, HOST_MOUNTINFO).measure().unwrap_err();
         assert!(matches!(err, GuardError::NoCgroupV2(_)), "{err}");
     }
 
@@ -823,10 +690,7 @@ mod tests {
         fs::remove_file(tree.dir.path().join("sys/fs/cgroup/a/memory.stat")).unwrap();
         let err = tree.measure().unwrap_err();
         assert!(matches!(err, GuardError::Read { .. }), "{err}");
-        assert!(
-            err.to_string().contains("sys/fs/cgroup/a/memory.stat"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("sys/fs/cgroup/a/memory.stat"), "{err}");
     }
 
     #[cfg(unix)]
@@ -842,10 +706,7 @@ mod tests {
             return;
         }
         let err = tree.measure().unwrap_err().to_string();
-        assert!(
-            err.contains("needs readable cgroup-v2 files: cannot read"),
-            "{err}"
-        );
+        assert!(err.contains("needs readable cgroup-v2 files: cannot read"), "{err}");
         assert!(err.contains("memory.stat"), "{err}");
     }
 
@@ -864,10 +725,7 @@ mod tests {
 
         tree.write("sys/fs/cgroup/a/memory.max", "max\n");
         tree.write("sys/fs/cgroup/a/memory.high", "1000\n");
-        tree.write(
-            "sys/fs/cgroup/a/memory.stat",
-            "inactive_file 1\nfile_dirty lots\nfile_writeback 0\n",
-        );
+        tree.write("sys/fs/cgroup/a/memory.stat", "inactive_file 1\nfile_dirty lots\nfile_writeback 0\n");
         assert!(matches!(tree.measure(), Err(GuardError::Parse { .. })));
 
         tree.write("proc/meminfo", "MemAvailable: 18446744073709551615 kB\n");
@@ -876,32 +734,21 @@ mod tests {
 
     #[test]
     fn admit_at_the_headroom_boundary() {
-        let report = Report::from_bounds(vec![Bound {
-            what: "cgroup /a".to_string(),
-            available: 40 * G,
-            detail: "limit 40.0 GiB".to_string(),
-        }]);
+        let report = Report::from_bounds(vec![Bound { what: "cgroup /a".to_string(), available: 40 * G, detail: "limit 40.0 GiB".to_string() }]);
         assert!(report.admit(32 * G, CopyKind::Pageable).is_ok());
         assert!(report.admit(32 * G + 1, CopyKind::Pageable).is_err());
         assert!(report.admit(28 * G, CopyKind::PageLocked).is_ok());
         assert!(report.admit(28 * G + 1, CopyKind::PageLocked).is_err());
         assert!(report.admit(u64::MAX, CopyKind::Pageable).is_err());
 
-        let err = report
-            .admit(30 * G, CopyKind::PageLocked)
-            .unwrap_err()
-            .to_string();
+        let err = report.admit(30 * G, CopyKind::PageLocked).unwrap_err().to_string();
         assert_eq!(
             err,
             "not enough memory for a page-locked copy of 30.0 GiB plus 12.0 GiB headroom: \
              only 40.0 GiB available, bounded by cgroup /a: limit 40.0 GiB"
         );
 
-        let small = Report::from_bounds(vec![Bound {
-            what: "x".into(),
-            available: 4 * G,
-            detail: String::new(),
-        }]);
+        let small = Report::from_bounds(vec![Bound { what: "x".into(), available: 4 * G, detail: String::new() }]);
         assert!(small.admit(0, CopyKind::Pageable).is_err());
     }
 
@@ -919,10 +766,7 @@ mod tests {
 
     #[test]
     fn parsers() {
-        assert_eq!(
-            parse_meminfo("MemTotal: 9 kB\nMemAvailable:   2 kB\n"),
-            Ok(2048)
-        );
+        assert_eq!(parse_meminfo("MemTotal: 9 kB\nMemAvailable:   2 kB\n"), Ok(2048));
         assert!(parse_meminfo("MemAvailable: 2 MB\n").is_err());
         assert!(parse_meminfo("MemFree: 2 kB\n").is_err());
         assert_eq!(parse_limit("max\n"), Ok(None));
@@ -932,16 +776,8 @@ mod tests {
         let own = parse_self_cgroup("0::/a:b c\n").unwrap();
         assert_eq!(own.v2_path.as_deref(), Some("/a:b c"));
         assert!(parse_self_cgroup("garbage\n").is_err());
-        let mounts =
-            parse_mountinfo("1 2 0:3 /a\\134b /m\\011t rw shared:1 master:2 - cgroup2 none rw\n")
-                .unwrap();
-        assert_eq!(
-            mounts,
-            [Cgroup2Mount {
-                root: "/a\\b".into(),
-                mount_point: "/m\tt".into()
-            }]
-        );
+        let mounts = parse_mountinfo("1 2 0:3 /a\\134b /m\\011t rw shared:1 master:2 - cgroup2 none rw\n").unwrap();
+        assert_eq!(mounts, [Cgroup2Mount { root: "/a\\b".into(), mount_point: "/m\tt".into() }]);
         assert!(parse_mountinfo("1 2 0:3 / /m rw - \n").is_err());
         assert!(parse_mountinfo("1 2 0:3 /\\04 /m rw - cgroup2 x rw\n").is_err());
         fuzz_parsers(b"inactive_file 18446744073709551615\nfile_dirty 0\nfile_writeback 0\n");

@@ -44,9 +44,7 @@ pub enum ProfileError {
     IncompleteLayer { layer: u32, found: usize, n_expert: u32 },
     #[error("ranked is empty")]
     Empty,
-    #[error(
-        "this profile was made for another model (model sha256 {profile}… in the profile, {model}… for this model)"
-    )]
+    #[error("this profile was made for another model (model sha256 {profile}… in the profile, {model}… for this model)")]
     OtherModel { profile: String, model: String },
     #[error("the profile's {what} is {profile}, but the model's is {model}")]
     Mismatch { what: &'static str, profile: String, model: String },
@@ -132,8 +130,7 @@ impl Profile {
         }
         reject_unknown(root, &["format", "version", "model", "tokens", "source", "ranked"], "")?;
 
-        let model =
-            take(root, "model", "model")?.as_object().ok_or_else(|| field_error("model", "must be an object"))?;
+        let model = take(root, "model", "model")?.as_object().ok_or_else(|| field_error("model", "must be an object"))?;
         reject_unknown(model, &["sha256", "arch", "n_layer", "n_expert", "n_expert_used"], "model.")?;
         let model_sha256 = as_str(take(model, "sha256", "model.sha256")?, "model.sha256")?;
         if !is_sha256_hex(model_sha256) {
@@ -144,21 +141,13 @@ impl Profile {
         let n_expert = as_u32(take(model, "n_expert", "model.n_expert")?, "model.n_expert", 1)?;
         let n_expert_used = as_u32(take(model, "n_expert_used", "model.n_expert_used")?, "model.n_expert_used", 1)?;
         if n_expert_used > n_expert {
-            return Err(field_error(
-                "model.n_expert_used",
-                format!("is {n_expert_used}, more than n_expert {n_expert}"),
-            ));
+            return Err(field_error("model.n_expert_used", format!("is {n_expert_used}, more than n_expert {n_expert}")));
         }
 
         let tokens = as_u64(take(root, "tokens", "tokens")?, "tokens")?;
         let source = as_str(take(root, "source", "source")?, "source")?;
-        let ranked =
-            take(root, "ranked", "ranked")?.as_array().ok_or_else(|| field_error("ranked", "must be an array"))?;
-        let ranked = ranked
-            .iter()
-            .enumerate()
-            .map(|(index, item)| parse_entry(index, item, n_layer, n_expert))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ranked = take(root, "ranked", "ranked")?.as_array().ok_or_else(|| field_error("ranked", "must be an array"))?;
+        let ranked = ranked.iter().enumerate().map(|(index, item)| parse_entry(index, item, n_layer, n_expert)).collect::<Result<Vec<_>, _>>()?;
 
         let profile = Profile {
             model_sha256: model_sha256.to_string(),
@@ -253,21 +242,10 @@ impl Profile {
     ) -> Profile {
         let mut ranked: Vec<Entry> = counts
             .iter()
-            .flat_map(|(layer, hits)| {
-                hits.iter().enumerate().map(move |(expert, &hits)| Entry { layer: *layer, expert: expert as u32, hits })
-            })
+            .flat_map(|(layer, hits)| hits.iter().enumerate().map(move |(expert, &hits)| Entry { layer: *layer, expert: expert as u32, hits }))
             .collect();
         ranked.sort_by(|a, b| b.hits.cmp(&a.hits).then(a.layer.cmp(&b.layer)).then(a.expert.cmp(&b.expert)));
-        Profile {
-            model_sha256: model_sha256.to_string(),
-            arch: arch.to_string(),
-            n_layer,
-            n_expert,
-            n_expert_used,
-            tokens,
-            source: source.to_string(),
-            ranked,
-        }
+        Profile { model_sha256: model_sha256.to_string(), arch: arch.to_string(), n_layer, n_expert, n_expert_used, tokens, source: source.to_string(), ranked }
     }
 
     /// Checks that this profile was made for the model with this layout and hash, and covers
@@ -304,9 +282,7 @@ fn parse_entry(index: usize, item: &Value, n_layer: u32, n_expert: u32) -> Resul
         Some(triple) if triple.len() == 3 => triple,
         _ => return Err(problem("must be [layer, expert, hits]".into())),
     };
-    let number = |i: usize, name: &str| {
-        triple[i].as_u64().ok_or_else(|| problem(format!("{name} must be a non-negative integer")))
-    };
+    let number = |i: usize, name: &str| triple[i].as_u64().ok_or_else(|| problem(format!("{name} must be a non-negative integer")));
     let (layer, expert, hits) = (number(0, "layer")?, number(1, "expert")?, number(2, "hits")?);
     check_bounds(index, layer, expert, n_layer, n_expert)?;
     Ok(Entry { layer: layer as u32, expert: expert as u32, hits })
@@ -335,28 +311,12 @@ mod tests {
 
     /// Layers 1 and 3 of 4 are MoE, with 3 experts each.
     fn sample() -> Profile {
-        Profile::from_counts(
-            SHA,
-            "qwen3moe",
-            4,
-            3,
-            2,
-            100,
-            "wiki \"test\" ∑",
-            &[(3, vec![5, 70, 5]), (1, vec![5, 0, 90])],
-        )
+        Profile::from_counts(SHA, "qwen3moe", 4, 3, 2, 100, "wiki \"test\" ∑", &[(3, vec![5, 70, 5]), (1, vec![5, 0, 90])])
     }
 
     fn layout() -> ExpertLayout {
         let layer = |layer| ExpertLayer { layer, n_ff: 32, mats: Vec::new() };
-        ExpertLayout {
-            arch: "qwen3moe".into(),
-            n_layer: 4,
-            n_expert: 3,
-            n_expert_used: 2,
-            n_embd: 64,
-            layers: vec![layer(1), layer(3)],
-        }
+        ExpertLayout { arch: "qwen3moe".into(), n_layer: 4, n_expert: 3, n_expert_used: 2, n_embd: 64, layers: vec![layer(1), layer(3)] }
     }
 
     fn sample_json() -> Value {
@@ -443,9 +403,7 @@ mod tests {
         }
         let mut v = sample_json();
         v.as_object_mut().expect("object").remove("tokens");
-        assert!(
-            matches!(parse_value(&v), Err(ProfileError::Field { field, problem }) if field == "tokens" && problem == "is missing")
-        );
+        assert!(matches!(parse_value(&v), Err(ProfileError::Field { field, problem }) if field == "tokens" && problem == "is missing"));
     }
 
     #[test]
@@ -482,9 +440,7 @@ mod tests {
         let err = sample().check(&layout(), OTHER_SHA).unwrap_err();
         let message = err.to_string();
         assert!(matches!(err, ProfileError::OtherModel { .. }));
-        assert!(
-            message.contains("another model") && message.contains(&SHA[..12]) && message.contains(&OTHER_SHA[..12])
-        );
+        assert!(message.contains("another model") && message.contains(&SHA[..12]) && message.contains(&OTHER_SHA[..12]));
         assert!(!message.contains(SHA), "{message}");
 
         let mut more_experts = layout();
@@ -501,10 +457,7 @@ mod tests {
         extra_layer.layers.push(ExpertLayer { layer: 2, n_ff: 32, mats: Vec::new() });
         extra_layer.layers.sort_by_key(|l| l.layer);
         let err = sample().check(&extra_layer, SHA).unwrap_err();
-        assert!(
-            matches!(&err, ProfileError::Layers { profile, model } if profile == &[1, 3] && model == &[1, 2, 3]),
-            "{err}"
-        );
+        assert!(matches!(&err, ProfileError::Layers { profile, model } if profile == &[1, 3] && model == &[1, 2, 3]), "{err}");
 
         let mut fewer = layout();
         fewer.layers.truncate(1);
@@ -512,8 +465,7 @@ mod tests {
 
         let short = Profile::from_counts(SHA, "qwen3moe", 4, 3, 2, 100, "", &[(1, vec![1, 2, 3]), (3, vec![4, 5])]);
         assert!(matches!(short.check(&layout(), SHA), Err(ProfileError::IncompleteLayer { layer: 3, found: 2, .. })));
-        let long =
-            Profile::from_counts(SHA, "qwen3moe", 4, 3, 2, 100, "", &[(1, vec![1, 2, 3]), (3, vec![4, 5, 6, 7])]);
+        let long = Profile::from_counts(SHA, "qwen3moe", 4, 3, 2, 100, "", &[(1, vec![1, 2, 3]), (3, vec![4, 5, 6, 7])]);
         assert!(matches!(long.check(&layout(), SHA), Err(ProfileError::Entry { .. })));
     }
 }

@@ -65,7 +65,11 @@ fn tool_result(block: &Value) -> Value {
                     _ => {}
                 }
             }
-            if has_images { Value::Array(converted) } else { json!(text) }
+            if has_images {
+                Value::Array(converted)
+            } else {
+                json!(text)
+            }
         }
         _ => json!(""),
     };
@@ -187,7 +191,11 @@ fn stop_reason(f: &Final, has_tool_calls: bool) -> &'static str {
 }
 
 fn stop_sequence(f: &Final) -> Value {
-    if f.stopping_word.is_empty() { Value::Null } else { json!(f.stopping_word) }
+    if f.stopping_word.is_empty() {
+        Value::Null
+    } else {
+        json!(f.stopping_word)
+    }
 }
 
 fn has_calls(msg: &Value) -> bool {
@@ -302,11 +310,14 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
             match ev {
                 Event::Partial(p) => {
                     if p.n_decoded == 1 {
-                        out.push(event("message_start", json!({"type": "message_start", "message": {
-                            "id": id, "type": "message", "role": "assistant", "content": [], "model": alias,
-                            "stop_reason": null, "stop_sequence": null,
-                            "usage": {"cache_read_input_tokens": 0, "input_tokens": p.n_prompt, "output_tokens": 0},
-                        }})));
+                        out.push(event(
+                            "message_start",
+                            json!({"type": "message_start", "message": {
+                                "id": id, "type": "message", "role": "assistant", "content": [], "model": alias,
+                                "stop_reason": null, "stop_sequence": null,
+                                "usage": {"cache_read_input_tokens": 0, "input_tokens": p.n_prompt, "output_tokens": 0},
+                            }}),
+                        ));
                     }
                     text.push_str(&p.content);
                     let mut msg = parse(&text, true);
@@ -335,11 +346,14 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
                     for i in 0..n_calls {
                         out.push(block_stop(usize::from(has_thinking) + usize::from(has_text) + i));
                     }
-                    out.push(event("message_delta", json!({
-                        "type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(f, has_calls(&msg)), "stop_sequence": stop_sequence(f)},
-                        "usage": {"output_tokens": f.n_decoded},
-                    })));
+                    out.push(event(
+                        "message_delta",
+                        json!({
+                            "type": "message_delta",
+                            "delta": {"stop_reason": stop_reason(f, has_calls(&msg)), "stop_sequence": stop_sequence(f)},
+                            "usage": {"output_tokens": f.n_decoded},
+                        }),
+                    ));
                     out.push(event("message_stop", json!({"type": "message_stop"})));
                 }
                 Event::Begin | Event::Embedding(_) => {}

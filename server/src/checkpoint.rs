@@ -34,13 +34,7 @@ impl Checkpoint {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "pos_min = {}, pos_max = {}, n_tokens = {}, size = {:.3} MiB",
-            self.pos_min,
-            self.pos_max,
-            self.n_tokens,
-            self.size() as f64 / MIB
-        )
+        format!("pos_min = {}, pos_max = {}, n_tokens = {}, size = {:.3} MiB", self.pos_min, self.pos_max, self.n_tokens, self.size() as f64 / MIB)
     }
 }
 
@@ -121,9 +115,7 @@ pub fn user_starts(prompt: &[Token], delimiters: &[(bool, Vec<Token>)]) -> Vec<u
     if delimiters.is_empty() {
         return Vec::new();
     }
-    (0..prompt.len())
-        .filter(|&i| delimiters.iter().find(|(_, d)| prompt[i..].starts_with(d)).is_some_and(|(user, _)| *user))
-        .collect()
+    (0..prompt.len()).filter(|&i| delimiters.iter().find(|(_, d)| prompt[i..].starts_with(d)).is_some_and(|(user, _)| *user)).collect()
 }
 
 #[cfg(test)]

@@ -75,7 +75,11 @@ impl Target {
     fn authority(&self) -> String {
         let host = if self.host.contains(':') { format!("[{}]", self.host) } else { self.host.clone() };
         let default = (self.scheme == "http" && self.port == 80) || (self.scheme == "https" && self.port == 443);
-        if default { host } else { format!("{host}:{}", self.port) }
+        if default {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
     }
 }
 
@@ -213,14 +217,8 @@ async fn send(
     for (k, v) in forward {
         req = req.header(k, v);
     }
-    let req = req
-        .header(HOST, target.authority())
-        .body(Full::new(body))
-        .map_err(|e| up(&e))?;
-    tokio::time::timeout(IO_TIMEOUT, sender.send_request(req))
-        .await
-        .map_err(|_| ProxyError::Upstream("read timed out".into()))?
-        .map_err(|e| up(&e))
+    let req = req.header(HOST, target.authority()).body(Full::new(body)).map_err(|e| up(&e))?;
+    tokio::time::timeout(IO_TIMEOUT, sender.send_request(req)).await.map_err(|_| ProxyError::Upstream("read timed out".into()))?.map_err(|e| up(&e))
 }
 
 fn relay(res: hyper::Response<hyper::body::Incoming>) -> Response {

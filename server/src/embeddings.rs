@@ -21,11 +21,9 @@ const POOLING_RANK: i64 = 4;
 fn pooling_type(app: &App, model: &Model) -> i64 {
     match app.info.pooling_type {
         t if t >= 0 => t,
-        _ => model
-            .meta("general.architecture")
-            .and_then(|arch| model.meta(&format!("{arch}.pooling_type")))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(POOLING_NONE),
+        _ => {
+            model.meta("general.architecture").and_then(|arch| model.meta(&format!("{arch}.pooling_type"))).and_then(|v| v.parse().ok()).unwrap_or(POOLING_NONE)
+        }
     }
 }
 
@@ -91,12 +89,7 @@ async fn run_embeddings(app: App, body: Bytes, mut oai: bool) -> Result<Response
         .map(|(i, r)| {
             n_tokens += r["tokens_evaluated"].as_u64().unwrap_or(0);
             if base64 {
-                let floats: Vec<u8> = r["embedding"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .flat_map(|x| (x.as_f64().unwrap_or(0.0) as f32).to_le_bytes())
-                    .collect();
+                let floats: Vec<u8> = r["embedding"].as_array().into_iter().flatten().flat_map(|x| (x.as_f64().unwrap_or(0.0) as f32).to_le_bytes()).collect();
                 let encoded = base64::engine::general_purpose::STANDARD.encode(floats);
                 json!({"embedding": encoded, "index": i, "object": "embedding", "encoding_format": "base64"})
             } else {
@@ -139,12 +132,8 @@ fn content_array_tokens(model: &Model, content: &Value) -> Result<Vec<Token>, Ap
     for p in parts {
         match p.get("type").and_then(Value::as_str).unwrap_or("") {
             "text" => text.push_str(p.get("text").and_then(Value::as_str).unwrap_or("")),
-            "image_url" => {
-                return Err(ApiError::server("image input is not supported - hint: if this is unexpected, you may need to provide the mmproj"))
-            }
-            "input_audio" => {
-                return Err(ApiError::server("audio input is not supported - hint: if this is unexpected, you may need to provide the mmproj"))
-            }
+            "image_url" => return Err(ApiError::server("image input is not supported - hint: if this is unexpected, you may need to provide the mmproj")),
+            "input_audio" => return Err(ApiError::server("audio input is not supported - hint: if this is unexpected, you may need to provide the mmproj")),
             "input_video" | "video_url" => {
                 return Err(ApiError::server("video input is not supported - hint: if this is unexpected, you may need to provide the mmproj"))
             }

@@ -130,7 +130,11 @@ pub enum Job {
     /// Answered once the engine is awake (its context re-created after sleeping).
     Wake(oneshot::Sender<()>),
     /// A live completion's control action (`/v1/chat/completions/control`): its answer.
-    Control { cmpl_id: String, action: String, reply: oneshot::Sender<Value> },
+    Control {
+        cmpl_id: String,
+        action: String,
+        reply: oneshot::Sender<Value>,
+    },
     /// The slots as `/slots` shows them, and how many are idle.
     Slots(oneshot::Sender<(Vec<Value>, usize)>),
 }
@@ -155,19 +159,35 @@ impl Timings {
     }
 
     pub fn prompt_per_token_ms(&self) -> f64 {
-        if self.prompt_n > 0 { self.prompt_ms / self.prompt_n as f64 } else { 0.0 }
+        if self.prompt_n > 0 {
+            self.prompt_ms / self.prompt_n as f64
+        } else {
+            0.0
+        }
     }
 
     pub fn prompt_per_second(&self) -> f64 {
-        if self.prompt_ms > 0.0 { 1e3 / self.prompt_ms * self.prompt_n as f64 } else { 0.0 }
+        if self.prompt_ms > 0.0 {
+            1e3 / self.prompt_ms * self.prompt_n as f64
+        } else {
+            0.0
+        }
     }
 
     pub fn predicted_per_token_ms(&self) -> f64 {
-        if self.gen_steps() > 0 { self.predicted_ms / self.gen_steps() as f64 } else { 0.0 }
+        if self.gen_steps() > 0 {
+            self.predicted_ms / self.gen_steps() as f64
+        } else {
+            0.0
+        }
     }
 
     pub fn predicted_per_second(&self) -> f64 {
-        if self.predicted_ms > 0.0 { 1e3 / self.predicted_ms * self.gen_steps() as f64 } else { 0.0 }
+        if self.predicted_ms > 0.0 {
+            1e3 / self.predicted_ms * self.gen_steps() as f64
+        } else {
+            0.0
+        }
     }
 }
 
@@ -281,7 +301,6 @@ impl EngineHandle {
     pub fn metrics(&self) -> Arc<std::sync::Mutex<Metrics>> {
         self.metrics.clone()
     }
-
 
     pub fn state_watch(&self) -> watch::Receiver<State> {
         self.state.clone()
@@ -444,22 +463,8 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         lora: lora.clone(),
     };
     let model_alias = cfg.model_alias.as_str().into();
-    std::thread::Builder::new()
-        .name("strata-engine".into())
-        .spawn(move || run(cfg, rx, state_tx, &shared))
-        .expect("spawn engine thread");
-    EngineHandle {
-        tx,
-        state: state_rx,
-        model,
-        model_alias,
-        n_ctx_slot,
-        next_task_id: Arc::default(),
-        metrics,
-        sleeping,
-        lora,
-        default_settings,
-    }
+    std::thread::Builder::new().name("strata-engine".into()).spawn(move || run(cfg, rx, state_tx, &shared)).expect("spawn engine thread");
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, sleeping, lora, default_settings }
 }
 
 /// What the engine publishes for handlers.
@@ -605,11 +610,7 @@ fn reuse_chunks(
             head_c += 1;
             continue;
         }
-        let msg = format!(
-            "reusing chunk with size {n_match}, shifting KV cache [{head_c}, {}) -> [{head_p}, {})",
-            head_c + n_match,
-            head_p + n_match
-        );
+        let msg = format!("reusing chunk with size {n_match}, shifting KV cache [{head_c}, {}) -> [{head_p}, {})", head_c + n_match, head_p + n_match);
         slot_log_at(Verbosity::Trace, "update_slots", id, -1, &msg);
         let shift = head_p as i32 - head_c as i32;
         ctx.seq_rm(seq, head_p as i32, head_c as i32);
@@ -1081,8 +1082,8 @@ impl<'m> Engine<'m> {
             srv_log(Verbosity::Trace, "load_model", "speculative decoding will use checkpoints");
         }
         let needs_checkpoints = matches!(seq_rm, SeqRm::WholeOnly | SeqRm::Bounded(_)) || n_swa > 0;
-        let checkpoints = (cfg.n_ctx_checkpoints > 0 && needs_checkpoints)
-            .then_some(checkpoint::Policy { max: cfg.n_ctx_checkpoints, min_step: cfg.checkpoint_min_step });
+        let checkpoints =
+            (cfg.n_ctx_checkpoints > 0 && needs_checkpoints).then_some(checkpoint::Policy { max: cfg.n_ctx_checkpoints, min_step: cfg.checkpoint_min_step });
         if cfg.n_ctx_checkpoints > 0 {
             let msg = format!("context checkpoints enabled, max = {}, min spacing = {}", cfg.n_ctx_checkpoints, cfg.checkpoint_min_step);
             srv_log(Verbosity::Trace, "load_model", &msg);
@@ -1367,10 +1368,7 @@ impl<'m> Engine<'m> {
         if n_prompt >= self.n_ctx_slot {
             let err = ApiError::new(
                 ErrorType::ExceedContextSize,
-                format!(
-                    "request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it",
-                    self.n_ctx_slot
-                ),
+                format!("request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it", self.n_ctx_slot),
             );
             let _ = task.events.send(Event::Error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot)));
             return;
@@ -1531,9 +1529,7 @@ impl<'m> Engine<'m> {
         let n_prompt = task.prompt.len();
         let n_ubatch = self.ctx.n_ubatch() as usize;
         if n_prompt > n_ubatch {
-            let msg = format!(
-                "input ({n_prompt} tokens) is too large to process. increase the physical batch size (current batch size: {n_ubatch})"
-            );
+            let msg = format!("input ({n_prompt} tokens) is too large to process. increase the physical batch size (current batch size: {n_ubatch})");
             let _ = task.events.send(Event::Error(ApiError::server(msg)));
             return;
         }
@@ -2193,10 +2189,8 @@ impl<'m> Engine<'m> {
         if drafts.0 > 0 {
             let (n_draft, n_acc, steps) = drafts;
             let mean_len = if steps > 0 { 1.0 + n_acc as f64 / steps as f64 } else { 1.0 };
-            let msg = format!(
-                "draft acceptance = {:0.5} ({n_acc:5} accepted / {n_draft:5} generated), mean len = {mean_len:5.2}",
-                n_acc as f32 / n_draft as f32
-            );
+            let msg =
+                format!("draft acceptance = {:0.5} ({n_acc:5} accepted / {n_draft:5} generated), mean len = {mean_len:5.2}", n_acc as f32 / n_draft as f32);
             slot_log("print_timings", id, task_id, &msg);
         }
         let a = self.release(id).unwrap();

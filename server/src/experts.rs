@@ -50,9 +50,7 @@ fn value<'a>(a: &'a StrataArgs, name: &str) -> Option<&'a str> {
 }
 
 fn number<T: std::str::FromStr>(a: &StrataArgs, name: &str) -> Result<Option<T>, String> {
-    value(a, name)
-        .map(|v| v.trim().parse::<T>().map_err(|_| format!("error while handling argument \"{name}\": invalid value '{v}'")))
-        .transpose()
+    value(a, name).map(|v| v.trim().parse::<T>().map_err(|_| format!("error while handling argument \"{name}\": invalid value '{v}'"))).transpose()
 }
 
 impl ExpertConfig {
@@ -66,7 +64,8 @@ impl ExpertConfig {
         let cache = match value(a, "--expert-cache") {
             None | Some("auto") => CacheSize::Auto,
             Some(v) => CacheSize::Experts(
-                v.parse().map_err(|_| format!("error while handling argument \"--expert-cache\": invalid value '{v}': expected auto or a number of experts"))?,
+                v.parse()
+                    .map_err(|_| format!("error while handling argument \"--expert-cache\": invalid value '{v}': expected auto or a number of experts"))?,
             ),
         };
         let pinned = has("--resident-experts");
@@ -80,7 +79,9 @@ impl ExpertConfig {
             vram_reserve_mib: number(a, "--vram-reserve-mib")?.unwrap_or(0),
             pcie_frac: number(a, "--pcie-frac")?.unwrap_or(0.0),
             ring_slots: match std::env::var("STRATA_PREFILL_RING") {
-                Ok(v) if !v.trim().is_empty() => Some(v.trim().parse().map_err(|_| format!("STRATA_PREFILL_RING: invalid value '{v}': expected a number of slots (0 turns the ring off)"))?),
+                Ok(v) if !v.trim().is_empty() => {
+                    Some(v.trim().parse().map_err(|_| format!("STRATA_PREFILL_RING: invalid value '{v}': expected a number of slots (0 turns the ring off)"))?)
+                }
                 _ => None,
             },
             record: value(a, "--expert-profile-out").map(PathBuf::from),
@@ -395,12 +396,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         }
         _ => {}
     }
-    let recorder = cfg.record.clone().map(|path| Recorder {
-        path,
-        model: model.clone(),
-        sha256: p.sha256.clone().unwrap_or_default(),
-        layout: p.layout.clone(),
-    });
+    let recorder =
+        cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: p.layout.clone() });
     *STATUS.lock().unwrap_or_else(|e| e.into_inner()) = Some(Status { placement, totals: moe::hits(), last_step: [0; 3], recorder });
     Ok(())
 }
@@ -473,9 +470,7 @@ fn write_profile(r: &Recorder) -> Result<(), String> {
         &counts,
     );
     let tmp = r.path.with_extension("tmp");
-    std::fs::write(&tmp, prof.to_json())
-        .and_then(|_| std::fs::rename(&tmp, &r.path))
-        .map_err(|e| format!("--expert-profile-out {}: {e}", r.path.display()))
+    std::fs::write(&tmp, prof.to_json()).and_then(|_| std::fs::rename(&tmp, &r.path)).map_err(|e| format!("--expert-profile-out {}: {e}", r.path.display()))
 }
 
 #[cfg(test)]

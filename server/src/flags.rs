@@ -71,29 +71,111 @@ fn map_kv(v: &str) -> Result<Vec<String>, String> {
 }
 
 pub const FLAGS: &[Flag] = &[
-    Flag { name: "--mmap-experts", kind: Kind::Switch, help: "serve cold experts from the memory-mapped model file (the SSD fallback tier)", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--resident-cpu-experts", kind: Kind::Switch, help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--resident-experts", kind: Kind::Switch, help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--expert-profile", kind: Kind::Value("FILE"), help: "fixed, ranked expert profile written by tools/expert-profile", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--expert-profile-out", kind: Kind::Value("FILE"), help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--expert-cache", kind: Kind::Value("auto|N"), help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers", maps_to: None, effect: Effect::Experts },
+    Flag {
+        name: "--mmap-experts",
+        kind: Kind::Switch,
+        help: "serve cold experts from the memory-mapped model file (the SSD fallback tier)",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
+    Flag {
+        name: "--resident-cpu-experts",
+        kind: Kind::Switch,
+        help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
+    Flag {
+        name: "--resident-experts",
+        kind: Kind::Switch,
+        help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
+    Flag {
+        name: "--expert-profile",
+        kind: Kind::Value("FILE"),
+        help: "fixed, ranked expert profile written by tools/expert-profile",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
+    Flag {
+        name: "--expert-profile-out",
+        kind: Kind::Value("FILE"),
+        help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
+    Flag {
+        name: "--expert-cache",
+        kind: Kind::Value("auto|N"),
+        help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
     Flag { name: "--prefill", kind: Kind::Value("N"), help: "prompt tokens per step; same as -b N -ub N", maps_to: Some(map_prefill), effect: Effect::Active },
-    Flag { name: "--spec", kind: Kind::Value("N"), help: "tokens to draft per step; same as --spec-draft-n-max N", maps_to: Some(map_spec), effect: Effect::Active },
-    Flag { name: "--spec-min-p", kind: Kind::Value("P"), help: "minimum draft probability; same as --spec-draft-p-min P", maps_to: Some(map_spec_min_p), effect: Effect::Active },
+    Flag {
+        name: "--spec",
+        kind: Kind::Value("N"),
+        help: "tokens to draft per step; same as --spec-draft-n-max N",
+        maps_to: Some(map_spec),
+        effect: Effect::Active,
+    },
+    Flag {
+        name: "--spec-min-p",
+        kind: Kind::Value("P"),
+        help: "minimum draft probability; same as --spec-draft-p-min P",
+        maps_to: Some(map_spec_min_p),
+        effect: Effect::Active,
+    },
     Flag { name: "--max-context", kind: Kind::Value("N"), help: "context size; same as -c N", maps_to: Some(map_max_context), effect: Effect::Active },
-    Flag { name: "--kv", kind: Kind::Value("int8|f16"), help: "KV cache type; int8 is -ctk q8_0 -ctv q8_0, f16 is -ctk f16 -ctv f16", maps_to: Some(map_kv), effect: Effect::Active },
+    Flag {
+        name: "--kv",
+        kind: Kind::Value("int8|f16"),
+        help: "KV cache type; int8 is -ctk q8_0 -ctv q8_0, f16 is -ctk f16 -ctv f16",
+        maps_to: Some(map_kv),
+        effect: Effect::Active,
+    },
     Flag { name: "--kv-resident", kind: Kind::Value("N"), help: "tokens of KV kept resident in VRAM", maps_to: None, effect: Effect::NotYet },
     Flag { name: "--pool-workers", kind: Kind::Value("N"), help: "CPU workers computing cold experts during decode", maps_to: None, effect: Effect::Experts },
-    Flag { name: "--adapt-every", kind: Kind::Value("N"), help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)", maps_to: None, effect: Effect::NotYet },
-    Flag { name: "--pcie-frac", kind: Kind::Value("F"), help: "share of decode misses uploaded over PCIe instead of computed on the CPU (0 = none)", maps_to: None, effect: Effect::Experts },
+    Flag {
+        name: "--adapt-every",
+        kind: Kind::Value("N"),
+        help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)",
+        maps_to: None,
+        effect: Effect::NotYet,
+    },
+    Flag {
+        name: "--pcie-frac",
+        kind: Kind::Value("F"),
+        help: "share of decode misses uploaded over PCIe instead of computed on the CPU (0 = none)",
+        maps_to: None,
+        effect: Effect::Experts,
+    },
     Flag { name: "--vram-reserve-mib", kind: Kind::Value("N"), help: "VRAM left free for other processes, in MiB", maps_to: None, effect: Effect::Experts },
 ];
 
 pub const ENV_VARS: &[EnvVar] = &[
-    EnvVar { name: "STRATA_PREFILL_RING", help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)", effect: Effect::Experts },
-    EnvVar { name: "STRATA_RING_TRACE", help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)", effect: Effect::Experts },
-    EnvVar { name: "STRATA_RING_EMULATE", help: "1 = build the prefill ring on the CPU (host windows, memcpy copies; for tests without a GPU)", effect: Effect::Experts },
-    EnvVar { name: "STRATA_MOE_HOST_OP", help: "1 = run decode's cold experts as one host op in the GPU stream (needs patches/0002's hook)", effect: Effect::Experts },
+    EnvVar {
+        name: "STRATA_PREFILL_RING",
+        help: "GPU slots of the prefill ring that streams cold experts to prompt batches (unset: sized to the largest cold tier of a layer, twice; 0: off)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
+        name: "STRATA_RING_TRACE",
+        help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
+        name: "STRATA_RING_EMULATE",
+        help: "1 = build the prefill ring on the CPU (host windows, memcpy copies; for tests without a GPU)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
+        name: "STRATA_MOE_HOST_OP",
+        help: "1 = run decode's cold experts as one host op in the GPU stream (needs patches/0002's hook)",
+        effect: Effect::Experts,
+    },
     EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
     EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
     EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP", effect: Effect::NotYet },
@@ -110,10 +192,7 @@ pub struct StrataArgs {
 impl StrataArgs {
     /// Flags taken that are not aliases of a llama-server flag.
     pub fn own_flags(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.values
-            .iter()
-            .filter(|(n, _)| FLAGS.iter().any(|f| f.name == *n && f.maps_to.is_none()))
-            .map(|(n, _)| *n)
+        self.values.iter().filter(|(n, _)| FLAGS.iter().any(|f| f.name == *n && f.maps_to.is_none())).map(|(n, _)| *n)
     }
 
     #[cfg(test)]
@@ -179,7 +258,11 @@ pub fn help_section() -> String {
 }
 
 fn not_yet(e: Effect) -> &'static str {
-    if e == Effect::NotYet { NOT_YET } else { "" }
+    if e == Effect::NotYet {
+        NOT_YET
+    } else {
+        ""
+    }
 }
 
 /// Start-up warnings: flags taken that do nothing here (the expert flags without a tier),
@@ -215,10 +298,7 @@ mod tests {
         assert!(strata.is_set("--mmap-experts"));
         assert_eq!(strata.get("--expert-cache"), Some("auto"));
         assert_eq!(strata.get("--prefill"), Some("8192"));
-        assert_eq!(
-            rest,
-            argv("-m x.gguf --batch-size 8192 --ubatch-size 8192 --cache-type-k q8_0 --cache-type-v q8_0 --spec-draft-n-max 4")
-        );
+        assert_eq!(rest, argv("-m x.gguf --batch-size 8192 --ubatch-size 8192 --cache-type-k q8_0 --cache-type-v q8_0 --spec-draft-n-max 4"));
     }
 
     #[test]

@@ -55,10 +55,7 @@ pub fn complete_utf8_len(text: &[u8]) -> usize {
 /// Where a suffix of `text` starts that is a proper beginning of `stop`, if any.
 fn find_partial_stop(text: &[u8], stop: &[u8]) -> Option<usize> {
     let last = *text.last()?;
-    (1..=text.len().min(stop.len()))
-        .rev()
-        .find(|&len| stop[len - 1] == last && text.ends_with(&stop[..len]))
-        .map(|len| text.len() - len)
+    (1..=text.len().min(stop.len())).rev().find(|&len| stop[len - 1] == last && text.ends_with(&stop[..len])).map(|len| text.len() - len)
 }
 
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
@@ -79,11 +76,7 @@ impl Generation {
         let mut best: Option<usize> = None;
         for word in &self.stops {
             let w = word.as_bytes();
-            let pos = if full {
-                find(unsent, w, unsent.len().saturating_sub(w.len() + last_piece_len))
-            } else {
-                find_partial_stop(unsent, w)
-            };
+            let pos = if full { find(unsent, w, unsent.len().saturating_sub(w.len() + last_piece_len)) } else { find_partial_stop(unsent, w) };
             if let Some(p) = pos {
                 if best.is_none_or(|b| p < b) {
                     if full {

@@ -37,13 +37,42 @@ const SAMPLING_RENAMES: &[(&str, &str)] = &[
 
 /// The schema's normalized fields that go to the sampler under their own names.
 const SAMPLING_FIELDS: &[&str] = &[
-    "seed", "n_probs", "min_keep", "top_k", "top_p", "min_p", "xtc_probability", "xtc_threshold",
-    "dynatemp_range", "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length",
-    "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay",
-    "top_n_sigma", "ignore_eos", "grammar", "grammar_type", "grammar_lazy", "grammar_triggers",
-    "preserved_tokens", "logit_bias", "generation_prompt", "backend_sampling", "dry_sequence_breakers",
-    "samplers", "reasoning_budget_tokens", "reasoning_budget_start", "reasoning_budget_end",
-    "reasoning_budget_forced", "reasoning_control",
+    "seed",
+    "n_probs",
+    "min_keep",
+    "top_k",
+    "top_p",
+    "min_p",
+    "xtc_probability",
+    "xtc_threshold",
+    "dynatemp_range",
+    "dynatemp_exponent",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "adaptive_target",
+    "adaptive_decay",
+    "top_n_sigma",
+    "ignore_eos",
+    "grammar",
+    "grammar_type",
+    "grammar_lazy",
+    "grammar_triggers",
+    "preserved_tokens",
+    "logit_bias",
+    "generation_prompt",
+    "backend_sampling",
+    "dry_sequence_breakers",
+    "samplers",
+    "reasoning_budget_tokens",
+    "reasoning_budget_start",
+    "reasoning_budget_end",
+    "reasoning_budget_forced",
+    "reasoning_control",
 ];
 
 #[derive(Clone)]
@@ -276,8 +305,7 @@ pub async fn buffer_body(req: Request, next: Next) -> Response {
     match axum::body::to_bytes(body, BODY_LIMIT).await {
         Ok(bytes) => next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await,
         Err(e) => {
-            let too_large = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             let status = if too_large { StatusCode::PAYLOAD_TOO_LARGE } else { StatusCode::BAD_REQUEST };
             status.into_response()
         }
@@ -406,9 +434,10 @@ pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>
             sampling.insert(to.to_string(), v.clone());
         }
     }
-    let lora = fields.get("lora").and_then(Value::as_array).map(|entries| {
-        entries.iter().map(|e| (e["id"].as_i64().unwrap_or(-1), e["scale"].as_f64().unwrap_or(0.0) as f32)).collect()
-    });
+    let lora = fields
+        .get("lora")
+        .and_then(Value::as_array)
+        .map(|entries| entries.iter().map(|e| (e["id"].as_i64().unwrap_or(-1), e["scale"].as_f64().unwrap_or(0.0) as f32)).collect());
     let stop = fields.get("stop").and_then(Value::as_array).map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect());
     TaskParams {
         kind: crate::engine::TaskKind::Completion,
@@ -460,7 +489,15 @@ pub fn timings_json(t: &Timings) -> Value {
 /// llama-server's completion_probabilities entries.
 pub fn probs_json(probs: &[TokenProbs], post_sampling: bool) -> Value {
     let (p_key, top_key) = if post_sampling { ("prob", "top_probs") } else { ("logprob", "top_logprobs") };
-    let value = |p: f32| if post_sampling { p } else if p == 0.0 { f32::MIN } else { p.ln() };
+    let value = |p: f32| {
+        if post_sampling {
+            p
+        } else if p == 0.0 {
+            f32::MIN
+        } else {
+            p.ln()
+        }
+    };
     let text = |b: &[u8]| String::from_utf8_lossy(&b[..crate::generation::complete_utf8_len(b)]).into_owned();
     let entry = |t: Token, b: &[u8], p: f32| {
         let mut m = Map::new();
@@ -636,11 +673,7 @@ pub async fn stream_response(
         }
         std::task::Poll::Ready(Some(Ok::<_, std::convert::Infallible>(Bytes::from(out))))
     });
-    Ok(Response::builder()
-        .status(StatusCode::OK)
-        .header("content-type", "text/event-stream")
-        .body(crate::streams::wrap_body(body))
-        .unwrap())
+    Ok(Response::builder().status(StatusCode::OK).header("content-type", "text/event-stream").body(crate::streams::wrap_body(body)).unwrap())
 }
 
 /// Every prompt of a request: a string, tokens, mixed strings and tokens, a
@@ -702,11 +735,8 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
     let alias = app.engine.model_alias().to_string();
     let rx = app.engine.submit(prompts.clone(), params.clone())?;
     let post = params.post_sampling_probs;
-    let fields: Vec<String> = body
-        .get("response_fields")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|f| f.as_str().map(String::from)).collect())
-        .unwrap_or_default();
+    let fields: Vec<String> =
+        body.get("response_fields").and_then(Value::as_array).map(|a| a.iter().filter_map(|f| f.as_str().map(String::from)).collect()).unwrap_or_default();
     let render = move |ev: &Event| match ev {
         Event::Partial(p) => vec![partial_json(p, post)],
         Event::Final(f) => {
@@ -726,11 +756,7 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
 }
 
 /// Waits for every task's final event and returns their rendered JSON, in prompt order.
-pub async fn collect_values(
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    n: usize,
-    mut render: impl FnMut(&Event) -> Vec<Value>,
-) -> Result<Vec<Value>, ApiError> {
+pub async fn collect_values(mut rx: mpsc::UnboundedReceiver<Event>, n: usize, mut render: impl FnMut(&Event) -> Vec<Value>) -> Result<Vec<Value>, ApiError> {
     let mut results: Vec<Option<Value>> = vec![None; n];
     while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
@@ -847,7 +873,6 @@ pub fn loaded_model(engine: &EngineHandle) -> Result<Arc<Model>, ApiError> {
     engine.model().ok_or_else(|| ApiError::new(ErrorType::Unavailable, "Loading model"))
 }
 
-
 /// A prompt given as a string, or an array mixing strings and token ids; only a leading string
 /// gets the special (BOS) tokens, as in llama-server's tokenize_mixed. Ids convert as the JSON
 /// library converts them (a float truncates); anything else is its type error.
@@ -923,8 +948,8 @@ mod tests {
     use super::*;
     use crate::engine::Job;
     use crate::generation::StopType;
-    use axum::http::Request;
     use axum::body::Body;
+    use axum::http::Request;
     use http_body_util::BodyExt;
     use tokio::sync::watch;
     use tower::ServiceExt;
@@ -1086,15 +1111,8 @@ mod tests {
 
     #[tokio::test]
     async fn cors_preflight_and_origin_reflection() {
-        let info = ServerInfo {
-            cors_origins: "localhost".into(),
-            cors_methods: "GET, POST".into(),
-            cors_headers: "*".into(),
-            ..Default::default()
-        };
-        let preflight = |origin: &str| {
-            Request::builder().method("OPTIONS").uri("/completions").header("origin", origin).body(Body::empty()).unwrap()
-        };
+        let info = ServerInfo { cors_origins: "localhost".into(), cors_methods: "GET, POST".into(), cors_headers: "*".into(), ..Default::default() };
+        let preflight = |origin: &str| Request::builder().method("OPTIONS").uri("/completions").header("origin", origin).body(Body::empty()).unwrap();
         let (s, h, _) = call_with(router(engine(State::Ready), info.clone(), None), preflight("http://localhost:3000")).await;
         assert_eq!(s, StatusCode::OK);
         assert_eq!(h["access-control-allow-origin"], "http://localhost:3000");
@@ -1103,4 +1121,3 @@ mod tests {
         assert!(h.get("access-control-allow-origin").is_none());
     }
 }
-

@@ -89,12 +89,7 @@ pub async fn infill(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
     // the model is checked before the body is read, as llama-server does
     check_fim(model.vocab())?;
     let body = parse_body(&body)?;
-    let limits = InfillLimits {
-        n_batch: app.info.n_batch,
-        n_predict: app.info.n_predict,
-        n_ctx: app.engine.n_ctx_slot(),
-        spm: app.info.spm_infill,
-    };
+    let limits = InfillLimits { n_batch: app.info.n_batch, n_predict: app.info.n_predict, n_ctx: app.engine.n_ctx_slot(), spm: app.info.spm_infill };
     let tokens = infill_tokens(model.vocab(), &body, &limits)?;
     run_completion(&app, model.clone(), &body, vec![tokens]).await
 }

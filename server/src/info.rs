@@ -216,11 +216,7 @@ pub fn props(info: &ServerInfo, n_ctx_slot: usize, m: &ModelProps, settings: Val
 pub fn origin_is_localhost(origin: &str) -> bool {
     let rest = origin.split_once("://").map_or(origin, |(_, r)| r);
     let host_port = rest.split('/').next().unwrap_or("");
-    let host = if let Some(v6) = host_port.strip_prefix('[') {
-        v6.split(']').next().unwrap_or("")
-    } else {
-        host_port.split(':').next().unwrap_or("")
-    };
+    let host = if let Some(v6) = host_port.strip_prefix('[') { v6.split(']').next().unwrap_or("") } else { host_port.split(':').next().unwrap_or("") };
     matches!(host, "localhost" | "127.0.0.1" | "::1")
 }
 

@@ -218,9 +218,8 @@ impl Listener {
             return Ok(Self::Unix(l));
         }
         let addr = host.trim_start_matches('[').trim_end_matches(']');
-        let l = tokio::net::TcpListener::bind((addr, port))
-            .await
-            .with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
+        let l =
+            tokio::net::TcpListener::bind((addr, port)).await.with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
         Ok(Self::Tcp(l))
     }
 

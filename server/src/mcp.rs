@@ -78,9 +78,8 @@ fn parse_entry(name: &str, cfg: &Value) -> Result<ServerConfig, String> {
             Some(_) => Err(format!("server '{name}': \"{key}\" must be a string")),
         }
     };
-    let strings = |v: &Value, what: &str| -> Result<String, String> {
-        v.as_str().map(String::from).ok_or_else(|| format!("server '{name}': {what} must be strings"))
-    };
+    let strings =
+        |v: &Value, what: &str| -> Result<String, String> { v.as_str().map(String::from).ok_or_else(|| format!("server '{name}': {what} must be strings")) };
     let timeout_ms = match cfg.get("timeout_ms") {
         None | Some(Value::Null) => DEFAULT_TIMEOUT_MS,
         Some(v) => v.as_u64().ok_or_else(|| format!("server '{name}': \"timeout_ms\" must be a non-negative integer"))?,
@@ -93,14 +92,7 @@ fn parse_entry(name: &str, cfg: &Value) -> Result<ServerConfig, String> {
         Some(m) => m.iter().map(|(k, v)| Ok((k.clone(), strings(v, "env values")?))).collect::<Result<_, String>>()?,
         None => BTreeMap::new(),
     };
-    Ok(ServerConfig {
-        name: name.to_string(),
-        command: string_at("command")?,
-        args,
-        env,
-        cwd: string_at("cwd")?,
-        timeout: Duration::from_millis(timeout_ms),
-    })
+    Ok(ServerConfig { name: name.to_string(), command: string_at("command")?, args, env, cwd: string_at("cwd")?, timeout: Duration::from_millis(timeout_ms) })
 }
 
 /// A tool advertised by an MCP server.
@@ -234,12 +226,7 @@ struct StdioTransport {
 impl StdioTransport {
     fn spawn(cfg: &ServerConfig) -> std::io::Result<Arc<Self>> {
         let mut cmd = Command::new(&cfg.command);
-        cmd.args(&cfg.args)
-            .envs(&cfg.env)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
+        cmd.args(&cfg.args).envs(&cfg.env).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
         if !cfg.cwd.is_empty() {
             cmd.current_dir(&cfg.cwd);
         }

@@ -20,7 +20,11 @@ impl Bucket {
     }
 
     fn per_second(&self) -> f64 {
-        if self.time_us > 0 { self.steps as f64 / self.time_us as f64 * 1e6 } else { 0.0 }
+        if self.time_us > 0 {
+            self.steps as f64 / self.time_us as f64 * 1e6
+        } else {
+            0.0
+        }
     }
 }
 
@@ -73,7 +77,11 @@ fn g(v: f64) -> String {
     if (-4..6).contains(&exp) {
         let decimals = (5 - exp).max(0) as usize;
         let s = format!("{v:.decimals$}");
-        if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s }
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s
+        }
     } else {
         let s = format!("{v:.5e}");
         let (m, e) = s.split_once('e').unwrap();
@@ -120,34 +128,18 @@ impl Metrics {
             ("prompt_seconds_total", "Total time spent processing prompts", self.prompt.time_us as f64 / 1e6),
             ("tokens_predicted_total", "Number of generation tokens processed", self.predict.count as f64),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predict.time_us as f64 / 1e6),
-            (
-                "n_decode_total",
-                "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
-                self.n_decode as f64,
-            ),
+            ("n_decode_total", "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding", self.n_decode as f64),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max as f64),
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", self.n_draft_tokens as f64),
-            (
-                "spec_decode_num_accepted_tokens_total",
-                "Speculative: Total draft tokens accepted by the target model",
-                self.n_draft_accepted as f64,
-            ),
-            (
-                "spec_decode_num_drafts_total",
-                "Speculative: Total speculative decoding verification steps",
-                self.n_draft_verif_steps as f64,
-            ),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", self.n_draft_accepted as f64),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", self.n_draft_verif_steps as f64),
         ];
         let gauges = [
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", self.prompt_bucket.per_second()),
             ("predicted_tokens_seconds", "Average generation throughput in tokens/s", self.predict_bucket.per_second()),
             ("requests_processing", "Number of requests processing", self.n_processing as f64),
             ("requests_deferred", "Number of requests deferred", self.n_deferred as f64),
-            (
-                "n_busy_slots_per_decode",
-                "Average number of busy slots per llama_decode() call",
-                self.n_busy_slots as f64 / (self.n_decode as f64).max(1.0),
-            ),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", self.n_busy_slots as f64 / (self.n_decode as f64).max(1.0)),
         ];
         let mut out = String::new();
         for (kind, items) in [("counter", &counters[..]), ("gauge", &gauges[..])] {

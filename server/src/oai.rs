@@ -13,12 +13,11 @@ use strata_ffi::{chat_msg_diffs, parse_chat_message, ChatTemplates, Model};
 
 use crate::engine::{Event, Final};
 use crate::error::ApiError;
-use crate::request;
 use crate::generation::StopType;
-use crate::http::{add_progress, 
-    collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json,
-    tokenize_prompts, App, Sse,
+use crate::http::{
+    add_progress, collect_values, final_json, loaded_model, parse_body, probs_json, stream_response, task_params, timings_json, tokenize_prompts, App, Sse,
 };
+use crate::request;
 
 const ALNUM: &[u8] = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
 
@@ -100,20 +99,26 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
                 add_progress(&mut v, p);
                 vec![v]
             }
-            Event::Final(f) => vec![with_verbose(verbose, f, &alias, "", json!({
-                "choices": [{
-                    "text": f.content,
-                    "index": f.index,
-                    "logprobs": if f.probs.is_empty() { Value::Null } else { json!({"content": probs_json(&f.probs, post)}) },
-                    "finish_reason": finish_reason(f, false),
-                }],
-                "created": now(),
-                "model": alias,
-                "system_fingerprint": fingerprint,
-                "object": "text_completion",
-                "usage": usage(f),
-                "id": id,
-            }))],
+            Event::Final(f) => vec![with_verbose(
+                verbose,
+                f,
+                &alias,
+                "",
+                json!({
+                    "choices": [{
+                        "text": f.content,
+                        "index": f.index,
+                        "logprobs": if f.probs.is_empty() { Value::Null } else { json!({"content": probs_json(&f.probs, post)}) },
+                        "finish_reason": finish_reason(f, false),
+                    }],
+                    "created": now(),
+                    "model": alias,
+                    "system_fingerprint": fingerprint,
+                    "object": "text_completion",
+                    "usage": usage(f),
+                    "id": id,
+                }),
+            )],
             Event::Begin | Event::Embedding(_) => Vec::new(),
             Event::Error(e) => vec![e.body()],
         }
@@ -160,9 +165,7 @@ fn check_media(parts: &[Value]) -> Result<(), ApiError> {
             "text" => continue,
             _ => return Err(ApiError::invalid("unsupported content[].type")),
         };
-        return Err(ApiError::server(format!(
-            "{what} input is not supported - hint: if this is unexpected, you may need to provide the mmproj"
-        )));
+        return Err(ApiError::server(format!("{what} input is not supported - hint: if this is unexpected, you may need to provide the mmproj")));
     }
     Ok(())
 }
@@ -213,7 +216,8 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
         };
         match ty.as_str() {
             "json_object" => {
-                let schema_empty = json_schema.is_null() || json_schema.as_object().is_some_and(Map::is_empty) || json_schema.as_array().is_some_and(Vec::is_empty);
+                let schema_empty =
+                    json_schema.is_null() || json_schema.as_object().is_some_and(Map::is_empty) || json_schema.as_array().is_some_and(Vec::is_empty);
                 if rf_obj.contains_key("schema") || schema_empty {
                     json_schema = object_at(rf_obj, "schema");
                 }
@@ -223,11 +227,7 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
                 json_schema = object_at(wrapper.as_object().unwrap_or(&empty), "schema");
             }
             "" | "text" => {}
-            other => {
-                return Err(ApiError::invalid(format!(
-                    "response_format type must be one of \"text\" or \"json_object\", but got: {other}"
-                )))
-            }
+            other => return Err(ApiError::invalid(format!("response_format type must be one of \"text\" or \"json_object\", but got: {other}"))),
         }
     }
     if json_schema.as_object().is_some_and(Map::is_empty) {
@@ -258,8 +258,7 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
             _ => return Err(ApiError::invalid("Expected 'content' to be a string or an array")),
         }
     }
-    let parsed = strata_ffi::parse_chat_inputs(&json!({"messages": messages, "tools": tools, "tool_choice": tool_choice}))
-        .map_err(ApiError::from_llama)?;
+    let parsed = strata_ffi::parse_chat_inputs(&json!({"messages": messages, "tools": tools, "tool_choice": tool_choice})).map_err(ApiError::from_llama)?;
     let roles: Vec<&str> = parsed["roles"].as_array().map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
     let tmpls = chat_templates(app, model)?;
     let caps = tmpls.caps().map_err(ApiError::from_llama)?;
@@ -306,9 +305,7 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
     match kwargs.get("enable_thinking").and_then(Value::as_str) {
         Some("true") => enable_thinking = true,
         Some("false") => enable_thinking = false,
-        Some(s) if s.starts_with('"') => {
-            return Err(ApiError::invalid("invalid type for \"enable_thinking\" (expected boolean, got string)"))
-        }
+        Some(s) if s.starts_with('"') => return Err(ApiError::invalid("invalid type for \"enable_thinking\" (expected boolean, got string)")),
         _ => {}
     }
     if body.contains_key("reasoning_effort") {
@@ -375,7 +372,8 @@ pub fn chat_prompt(app: &App, model: &Arc<Model>, mut body: Map<String, Value>) 
         task.insert("chat_parser".into(), applied["parser"].clone());
     }
     task.insert("message_delimiters".into(), applied["message_delimiters"].clone());
-    let mut budget = request::lenient(&body, "reasoning_budget_tokens", request::get_i32, request::lenient(&body, "thinking_budget_tokens", request::get_i32, -1)) as i64;
+    let mut budget =
+        request::lenient(&body, "reasoning_budget_tokens", request::get_i32, request::lenient(&body, "thinking_budget_tokens", request::get_i32, -1)) as i64;
     if budget == -1 {
         budget = info.reasoning_budget;
     }
@@ -489,9 +487,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     };
     let chunk = {
         let (id, alias, fingerprint) = (id.clone(), alias.clone(), fingerprint.clone());
-        move |choices: Value| {
-            json!({"choices": choices, "created": now(), "id": id, "model": alias, "system_fingerprint": fingerprint, "object": "chat.completion.chunk"})
-        }
+        move |choices: Value| json!({"choices": choices, "created": now(), "id": id, "model": alias, "system_fingerprint": fingerprint, "object": "chat.completion.chunk"})
     };
     let post = params.post_sampling_probs;
     if params.stream {
@@ -529,8 +525,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     let c = &mut choices[f.index];
                     let mut msg = parse(&c.text, false);
                     fill_tool_call_ids(&mut msg, &mut c.ids);
-                    let mut out: Vec<Value> =
-                        chat_msg_diffs(&c.prev, &msg).unwrap_or_default().into_iter().map(|d| delta(f.index, d)).collect();
+                    let mut out: Vec<Value> = chat_msg_diffs(&c.prev, &msg).unwrap_or_default().into_iter().map(|d| delta(f.index, d)).collect();
                     let has_calls = msg.get("tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty());
                     out.push(chunk(json!([{"finish_reason": finish_reason(f, has_calls), "index": f.index, "delta": {}}])));
                     if include_usage {
@@ -544,7 +539,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                     out
                 }
                 Event::Begin | Event::Embedding(_) => Vec::new(),
-            Event::Error(e) => vec![e.body()],
+                Event::Error(e) => vec![e.body()],
             }
         };
         return stream_response(rx, n_choices, render, Sse::OpenAi).await;

@@ -65,13 +65,7 @@ impl PromptCache {
     /// Stores `tokens` with the state `read` returns (`state_size` bytes) and the checkpoints
     /// `checkpoints` returns. Returns false, storing nothing, when the prompt is empty or
     /// already covered, too large, or the copy failed.
-    pub fn save(
-        &mut self,
-        tokens: &[Token],
-        state_size: usize,
-        read: impl FnOnce() -> Option<Vec<u8>>,
-        checkpoints: impl FnOnce() -> Vec<Checkpoint>,
-    ) -> bool {
+    pub fn save(&mut self, tokens: &[Token], state_size: usize, read: impl FnOnce() -> Option<Vec<u8>>, checkpoints: impl FnOnce() -> Vec<Checkpoint>) -> bool {
         if tokens.is_empty() {
             return false;
         }
@@ -83,11 +77,7 @@ impl PromptCache {
             srv_log(
                 Verbosity::Warn,
                 "alloc",
-                &format!(
-                    " - prompt state size {:.3} MiB exceeds cache size limit {:.3} MiB, skipping",
-                    state_size as f64 / MIB,
-                    self.limit_size as f64 / MIB
-                ),
+                &format!(" - prompt state size {:.3} MiB exceeds cache size limit {:.3} MiB, skipping", state_size as f64 / MIB, self.limit_size as f64 / MIB),
             );
             return false;
         }
@@ -119,24 +109,13 @@ impl PromptCache {
         let lcp = common_prefix(cached, new);
         let mut best_keep = if cached.is_empty() { -1.0 } else { lcp as f32 / cached.len() as f32 };
         let mut best_sim = lcp as f32 / new.len().max(1) as f32;
-        srv_log(
-            Verbosity::Trace,
-            "load",
-            &format!(" - looking for better prompt, base f_keep = {best_keep:.3}, f_sim = {best_sim:.3}"),
-        );
+        srv_log(Verbosity::Trace, "load", &format!(" - looking for better prompt, base f_keep = {best_keep:.3}, f_sim = {best_sim:.3}"));
         let mut best = None;
         for (i, e) in self.entries.iter().enumerate() {
             let lcp = common_prefix(&e.tokens, new);
             let keep = lcp as f32 / e.tokens.len() as f32;
             let sim = lcp as f32 / new.len().max(1) as f32;
-            srv_log(
-                Verbosity::Trace,
-                "load",
-                &format!(
-                    "   - prompt with length {:7}, lcp = {lcp:7}, f_keep = {keep:.3}, f_sim = {sim:.3}",
-                    e.tokens.len()
-                ),
-            );
+            srv_log(Verbosity::Trace, "load", &format!("   - prompt with length {:7}, lcp = {lcp:7}, f_keep = {keep:.3}, f_sim = {sim:.3}", e.tokens.len()));
             if keep < 0.25 {
                 continue;
             }
@@ -159,11 +138,7 @@ impl PromptCache {
             }
         }
         let per_token = (self.size() as f32 / self.n_tokens().max(1) as f32).max(1.0);
-        let limit_tokens = if self.limit_size > 0 {
-            self.limit_tokens.max((self.limit_size as f32 / per_token) as usize)
-        } else {
-            self.limit_tokens
-        };
+        let limit_tokens = if self.limit_size > 0 { self.limit_tokens.max((self.limit_size as f32 / per_token) as usize) } else { self.limit_tokens };
         if self.limit_tokens > 0 {
             while !self.entries.is_empty() && self.n_tokens() > limit_tokens {
                 self.pop_oldest("cache token limit reached, removing oldest entry");

@@ -202,10 +202,22 @@ type Handler = fn(&mut Eval<'_>, &Map<String, Value>) -> Result<(), String>;
 #[derive(Clone, Copy)]
 enum Kind {
     Bool,
-    I32 { min: i32, max: i32, hard: bool },
-    I64 { min: i64, max: i64, hard: bool },
+    I32 {
+        min: i32,
+        max: i32,
+        hard: bool,
+    },
+    I64 {
+        min: i64,
+        max: i64,
+        hard: bool,
+    },
     U32,
-    F32 { min: f32, max: f32, hard: bool },
+    F32 {
+        min: f32,
+        max: f32,
+        hard: bool,
+    },
     /// 1 up to the server's -np (n_cmpl).
     UpToParallel,
     /// An object whose fields are evaluated in it (stream_options).
@@ -320,18 +332,38 @@ pub const GRAMMAR_OUTPUT_FORMAT: i64 = 2;
 pub const GRAMMAR_TOOL_CALLS: i64 = 3;
 
 /// The settings only the full form of task_params::to_json has (not /props or /slots).
-pub const FULL_ONLY: &[&str] =
-    &["dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy", "grammar_triggers", "preserved_tokens"];
+pub const FULL_ONLY: &[&str] = &["dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy", "grammar_triggers", "preserved_tokens"];
 
 /// llama-server's task_params::to_json: `sampling` (from strata_ffi::sampling_settings) and
 /// the task's own fields, in upstream's order; `metrics` is the shorter form of /props and
 /// /slots. `n_predict` is the effective limit (the server's -n where the task gives none).
 pub fn task_settings(sampling: &Value, p: &crate::engine::TaskParams, n_predict: i64, metrics: bool) -> Value {
     const SAMPLING_HEAD: &[&str] = &[
-        "seed", "temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "top_n_sigma",
-        "xtc_probability", "xtc_threshold", "typical_p", "repeat_last_n", "repeat_penalty", "presence_penalty",
-        "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-        "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target", "adaptive_decay",
+        "seed",
+        "temperature",
+        "dynatemp_range",
+        "dynatemp_exponent",
+        "top_k",
+        "top_p",
+        "min_p",
+        "top_n_sigma",
+        "xtc_probability",
+        "xtc_threshold",
+        "typical_p",
+        "repeat_last_n",
+        "repeat_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+        "adaptive_target",
+        "adaptive_decay",
     ];
     let s = |k: &str| sampling.get(k).cloned().unwrap_or(Value::Null);
     let reasoning_in_content = p.stream && p.reasoning_format == "deepseek-legacy";
@@ -821,14 +853,7 @@ mod tests {
     fn eval_plain(body: Value) -> Result<Map<String, Value>, String> {
         let no_schema = |_: &Value| -> Result<String, String> { Ok("root ::= \"{}\"".into()) };
         let no_parser = |_: &str| -> Result<(), String> { Ok(()) };
-        let ctx = Context {
-            vocab: None,
-            eog: &[7],
-            n_parallel: 4,
-            dry_base_default: 1.75,
-            schema_to_grammar: &no_schema,
-            check_chat_parser: &no_parser,
-        };
+        let ctx = Context { vocab: None, eog: &[7], n_parallel: 4, dry_base_default: 1.75, schema_to_grammar: &no_schema, check_chat_parser: &no_parser };
         eval(body.as_object().unwrap(), &ctx).map_err(|e| e.message)
     }
 
@@ -854,10 +879,7 @@ mod tests {
         assert_eq!(out["mirostat"], 2);
         assert_eq!(out["top_p"], 1.0);
         assert_eq!(out["temperature"], 0.0);
-        assert_eq!(
-            eval_plain(json!({"n_predict": -5})).unwrap_err(),
-            "Field 'n_predict': Value must be between -1 <= value <= 2147483647, but got -5"
-        );
+        assert_eq!(eval_plain(json!({"n_predict": -5})).unwrap_err(), "Field 'n_predict': Value must be between -1 <= value <= 2147483647, but got -5");
         assert_eq!(
             eval_plain(json!({"adaptive_decay": 1.5})).unwrap_err(),
             "Field 'adaptive_decay': Value must be between 0.000000 <= value <= 0.990000, but got 1.500000"
@@ -886,10 +908,7 @@ mod tests {
             eval_plain(json!({"dry_sequence_breakers": []})).unwrap_err(),
             "Field 'dry_sequence_breakers': Error: dry_sequence_breakers must be a non-empty array of strings"
         );
-        assert_eq!(
-            eval_plain(json!({"lora": {}})).unwrap_err(),
-            "Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields"
-        );
+        assert_eq!(eval_plain(json!({"lora": {}})).unwrap_err(), "Field 'lora': Error: 'lora' must be an array of objects with 'id' and 'scale' fields");
         assert_eq!(eval_plain(json!({"stop": ["a", 5]})).unwrap_err(), "Field 'stop': [json.exception.type_error.302] type must be string, but is number");
         assert_eq!(eval_plain(json!({"stop": ["a", null, []]})).unwrap()["stop"], json!(["a"]));
         assert_eq!(eval_plain(json!({"dry_base": 0.5})).unwrap()["dry_base"], 1.75);
@@ -909,8 +928,15 @@ mod tests {
     fn repetitions_whose_maximum_is_below_the_minimum_are_refused() {
         assert!(check_repetitions("root ::= \"a\"{5,2}").unwrap_err().contains("{5,2}"));
         assert!(check_repetitions("root ::= [a-z]{ 3 , 1 } x").is_err());
-        for fine in ["root ::= \"a\"{2,5}", "root ::= \"a\"{3}", "root ::= \"a\"{3,}", "root ::= \"{5,2}\"",
-                     "root ::= [{5,2}]", "root ::= \"\\\"{5,2}\"", "# {5,2}\nroot ::= \"a\""] {
+        for fine in [
+            "root ::= \"a\"{2,5}",
+            "root ::= \"a\"{3}",
+            "root ::= \"a\"{3,}",
+            "root ::= \"{5,2}\"",
+            "root ::= [{5,2}]",
+            "root ::= \"\\\"{5,2}\"",
+            "# {5,2}\nroot ::= \"a\"",
+        ] {
             assert_eq!(check_repetitions(fine), Ok(()), "{fine}");
         }
         let err = eval_plain(json!({"grammar": "root ::= \"a\"{9,1}"})).unwrap_err();

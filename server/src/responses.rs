@@ -46,9 +46,9 @@ fn output_parts(parts: &[Value]) -> Result<Vec<Value>, ApiError> {
             "output_text" | "input_text" => {
                 str_of(part, "text").map(|t| text_part(&json!(t))).ok_or_else(|| ApiError::invalid("'Output text' requires 'text'"))
             }
-            "refusal" => str_of(part, "refusal")
-                .map(|r| json!({"refusal": r, "type": "refusal"}))
-                .ok_or_else(|| ApiError::invalid("'Refusal' requires 'refusal'")),
+            "refusal" => {
+                str_of(part, "refusal").map(|r| json!({"refusal": r, "type": "refusal"})).ok_or_else(|| ApiError::invalid("'Refusal' requires 'refusal'"))
+            }
             _ => Err(ApiError::invalid("'type' must be one of 'output_text' or 'refusal'")),
         })
         .collect()
@@ -338,22 +338,31 @@ impl Stream {
             if let Some(r) = str_of(&d, "reasoning_content") {
                 if !self.reasoning_started {
                     self.reasoning_started = true;
-                    out.push(event("response.output_item.added", json!({"item": {
-                        "id": self.reasoning_id, "summary": [], "type": "reasoning", "content": [],
-                        "encrypted_content": "", "status": "in_progress",
-                    }})));
+                    out.push(event(
+                        "response.output_item.added",
+                        json!({"item": {
+                            "id": self.reasoning_id, "summary": [], "type": "reasoning", "content": [],
+                            "encrypted_content": "", "status": "in_progress",
+                        }}),
+                    ));
                 }
                 out.push(event("response.reasoning_text.delta", json!({"delta": r, "item_id": self.reasoning_id})));
             }
             if let Some(c) = str_of(&d, "content") {
                 if !self.text_started {
                     self.text_started = true;
-                    out.push(event("response.output_item.added", json!({"item": {
-                        "content": [], "id": self.message_id, "role": "assistant", "status": "in_progress", "type": "message",
-                    }})));
-                    out.push(event("response.content_part.added", json!({
-                        "item_id": self.message_id, "part": {"type": "output_text", "text": ""},
-                    })));
+                    out.push(event(
+                        "response.output_item.added",
+                        json!({"item": {
+                            "content": [], "id": self.message_id, "role": "assistant", "status": "in_progress", "type": "message",
+                        }}),
+                    ));
+                    out.push(event(
+                        "response.content_part.added",
+                        json!({
+                            "item_id": self.message_id, "part": {"type": "output_text", "text": ""},
+                        }),
+                    ));
                 }
                 out.push(event("response.output_text.delta", json!({"item_id": self.message_id, "delta": c})));
             }
@@ -398,10 +407,13 @@ impl Stream {
             out.push(event("response.output_item.done", json!({"item": item})));
             output.push(item);
         }
-        let mut done = event("response.completed", json!({"response": {
-            "id": self.resp_id, "object": "response", "created_at": now(), "status": "completed",
-            "model": self.model, "output": output, "usage": usage(f),
-        }}));
+        let mut done = event(
+            "response.completed",
+            json!({"response": {
+                "id": self.resp_id, "object": "response", "created_at": now(), "status": "completed",
+                "model": self.model, "output": output, "usage": usage(f),
+            }}),
+        );
         done["data"]["timings"] = timings_json(&f.timings);
         out.push(done);
         out
@@ -588,7 +600,10 @@ mod tests {
             ]
         );
         let completed = &done[5]["data"];
-        assert_eq!(completed["response"]["usage"], json!({"input_tokens": 4, "output_tokens": 5, "total_tokens": 9, "input_tokens_details": {"cached_tokens": 1}}));
+        assert_eq!(
+            completed["response"]["usage"],
+            json!({"input_tokens": 4, "output_tokens": 5, "total_tokens": 9, "input_tokens_details": {"cached_tokens": 1}})
+        );
         assert_eq!(completed["response"]["output"][2]["arguments"], "{\"city\":1}");
         assert!(completed["timings"].is_object());
     }

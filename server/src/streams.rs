@@ -249,10 +249,7 @@ async fn stream_get(Query(q): Params) -> Response {
 /// The conversation ids a lookup body names, or the parse error.
 pub fn requested_ids(body: &[u8]) -> Result<Vec<String>, String> {
     let v = crate::http::parse_json(body)?;
-    Ok(v["conversation_ids"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).filter(|s| !s.is_empty()).map(String::from).collect())
-        .unwrap_or_default())
+    Ok(v["conversation_ids"].as_array().map(|a| a.iter().filter_map(Value::as_str).filter(|s| !s.is_empty()).map(String::from).collect()).unwrap_or_default())
 }
 
 async fn streams_lookup(body: Bytes) -> Response {

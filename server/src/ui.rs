@@ -136,10 +136,7 @@ fn embedded(assets: &'static [Asset], sub: &str, headers: &HeaderMap) -> Option<
     // Only the first Accept-Encoding header counts, as in llama-server.
     let accept = headers.get("accept-encoding").and_then(|v| v.to_str().ok()).unwrap_or("");
     if !accept.contains("gzip") {
-        return Some(
-            (StatusCode::UNSUPPORTED_MEDIA_TYPE, [(CONTENT_TYPE, "text/plain")], "Error: gzip is not supported by this browser")
-                .into_response(),
-        );
+        return Some((StatusCode::UNSUPPORTED_MEDIA_TYPE, [(CONTENT_TYPE, "text/plain")], "Error: gzip is not supported by this browser").into_response());
     }
     let mut res = Response::builder().header(CONTENT_ENCODING, "gzip");
     if NO_CACHE_NAMES.contains(&name) {

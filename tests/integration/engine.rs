@@ -110,14 +110,28 @@ fn speculative_decoding_keeps_greedy_output() {
     drop(plain);
     for (draft, all_accepted) in [("tiny-qwen3moe-iq3.gguf", false), ("tiny-qwen3moe.gguf", true)] {
         let d = model(draft);
-        let args = ["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1", "--spec-type", "draft-simple", "--model-draft", d.to_str().unwrap(), "--spec-draft-n-max", "6"];
+        let args = [
+            "-m",
+            m.to_str().unwrap(),
+            "-c",
+            "1024",
+            "-np",
+            "1",
+            "--spec-type",
+            "draft-simple",
+            "--model-draft",
+            d.to_str().unwrap(),
+            "--spec-draft-n-max",
+            "6",
+        ];
         let server = Server::start(&args, &[]);
         let (_, got) = server.post("/completion", &req);
         assert_eq!(got["tokens"], want["tokens"], "draft {draft}");
         let (drafted, accepted) = (got["timings"]["draft_n"].as_u64().unwrap(), got["timings"]["draft_n_accepted"].as_u64().unwrap());
         assert!(drafted > 0, "{got}");
         assert_eq!(accepted == drafted, all_accepted, "draft {draft}: {accepted}/{drafted}");
-        let stream_text = server.post_stream("/completion", &json!({"prompt": "I believe the meaning of life is", "n_predict": 24, "temperature": 0, "stream": true}));
+        let stream_text =
+            server.post_stream("/completion", &json!({"prompt": "I believe the meaning of life is", "n_predict": 24, "temperature": 0, "stream": true}));
         let text: String = stream_text.iter().filter_map(|c| c["content"].as_str()).collect();
         assert_eq!(text, got["content"].as_str().unwrap(), "streamed speculative text");
     }

@@ -132,7 +132,8 @@ fn split_experts_match_the_unsplit_model() {
     }
 
     // --pcie-frac: half of each decode step's misses go to the staging slots, the rest to the pool.
-    let uploading = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &[]);
+    let uploading =
+        Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &[]);
     assert_same(&ref_short, &generate(&uploading, SHORT), "uploading half the misses, short prompt");
     assert_same(&ref_long, &generate(&uploading, LONG), "uploading half the misses, long prompt");
     let text = ureq::get(&format!("{}/metrics", uploading.base)).call().unwrap().into_string().unwrap();
@@ -312,10 +313,7 @@ fn bad_expert_inputs_get_clear_errors() {
     // The memory guard refuses a RAM copy that does not fit beside 8 GiB of headroom.
     let profile = record_profile(&dir);
     let root = guard_root(&dir, 4 << 20);
-    let e = run(
-        &["-m", ms, "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap()],
-        &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())],
-    );
+    let e = run(&["-m", ms, "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap()], &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())]);
     assert!(e.contains("--resident-cpu-experts") && e.contains("headroom"), "{e}");
 }
 

@@ -11,11 +11,7 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn fetch(env: &[(&str, &Path)]) -> (i32, String) {
-    let out = Command::new("bash")
-        .arg(repo().join("vendor/fetch"))
-        .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
-        .output()
-        .unwrap();
+    let out = Command::new("bash").arg(repo().join("vendor/fetch")).envs(env.iter().map(|(k, v)| (*k, v.as_os_str()))).output().unwrap();
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
@@ -71,11 +67,7 @@ fn a_missing_tool_is_named() {
         let real = which(tool);
         std::os::unix::fs::symlink(real, bin.join(tool)).unwrap();
     }
-    let out = Command::new(bin.join("bash"))
-        .arg(repo().join("vendor/fetch"))
-        .env("PATH", &bin)
-        .output()
-        .unwrap();
+    let out = Command::new(bin.join("bash")).arg(repo().join("vendor/fetch")).env("PATH", &bin).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("missing tool 'patch'"), "{err}");
@@ -134,7 +126,11 @@ fn repin_reports_applied_fuzzed_and_failed() {
     assert_eq!(results(&report)[0], "fuzzed", "{report}");
 
     let broken = mini_tree("repin-broken");
-    edit(&broken.join("src/llama-model.cpp"), "void llama_model_free(llama_model * model) {\n    delete model;", "void llama_model_free(llama_model * m) {\n    delete m;");
+    edit(
+        &broken.join("src/llama-model.cpp"),
+        "void llama_model_free(llama_model * model) {\n    delete model;",
+        "void llama_model_free(llama_model * m) {\n    delete m;",
+    );
     let (code, report) = repin(&broken);
     assert_eq!(code, 1, "{report}");
     assert_eq!(results(&report)[0], "failed", "{report}");

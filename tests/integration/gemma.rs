@@ -31,10 +31,7 @@ fn reference_binary() -> PathBuf {
 }
 
 fn reference_tokens() -> Vec<i64> {
-    let out = Command::new(reference_binary())
-        .args([model(GEMMA).to_str().unwrap(), PROMPT, &N_PREDICT.to_string()])
-        .output()
-        .unwrap();
+    let out = Command::new(reference_binary()).args([model(GEMMA).to_str().unwrap(), PROMPT, &N_PREDICT.to_string()]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout).unwrap().split_whitespace().map(|t| t.parse().unwrap()).collect()
 }
@@ -83,10 +80,7 @@ fn ngram_speculative_drafts_the_repetition() {
     crate::support::quiet_llama_logs();
     use strata_ffi::{Context, ContextParams, ParseOutcome, ServerParams, Speculative};
     let gemma = model(GEMMA);
-    let args: Vec<String> = ["strata-server", "-m", gemma.to_str().unwrap(), "--spec-type", "ngram-simple"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args: Vec<String> = ["strata-server", "-m", gemma.to_str().unwrap(), "--spec-type", "ngram-simple"].iter().map(|s| s.to_string()).collect();
     let ParseOutcome::Parsed(mut params) = ServerParams::parse(&args, None).unwrap() else { panic!("flags rejected") };
     let m = Model::load(&gemma, &ModelParams::default()).unwrap();
     let mut ctx = Context::new(&m, ContextParams::default().with_n_ctx(512)).unwrap();

@@ -3,9 +3,9 @@
 
 mod chat;
 mod checkpoints;
+mod cli;
 mod engine;
 mod experts;
-mod cli;
 mod fetch;
 mod gemma;
 mod hooks;

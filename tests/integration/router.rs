@@ -29,7 +29,8 @@ fn router_lists_routes_and_unloads_a_models_dir_model() {
     let _ = std::fs::remove_file(&link);
     std::os::unix::fs::symlink(model("tiny-llama.gguf"), &link).unwrap();
 
-    let server = Server::start(&["--models-dir", dir.to_str().unwrap(), "--models-max", "1", "-c", "256", "-np", "1"], &[("LLAMA_CACHE", dir.to_str().unwrap())]);
+    let server =
+        Server::start(&["--models-dir", dir.to_str().unwrap(), "--models-max", "1", "-c", "256", "-np", "1"], &[("LLAMA_CACHE", dir.to_str().unwrap())]);
 
     let (code, props) = server.get("/props");
     assert_eq!(code, 200);

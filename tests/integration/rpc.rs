@@ -25,9 +25,7 @@ impl Drop for RpcServer {
 }
 
 fn rpc_server_bin() -> PathBuf {
-    let bin = std::env::var_os("STRATA_RPC_SERVER")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join("target/upstream/bin/ggml-rpc-server"));
+    let bin = std::env::var_os("STRATA_RPC_SERVER").map(PathBuf::from).unwrap_or_else(|| repo().join("target/upstream/bin/ggml-rpc-server"));
     assert!(bin.exists(), "{} is missing: run tools/build-upstream (tools/test does)", bin.display());
     bin
 }

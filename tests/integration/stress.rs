@@ -20,10 +20,7 @@ fn round(server: &Server, seed: u64) -> usize {
                     let n_predict = 8 + (x % 40) as usize;
                     let hang_up_after = (i % 3 == 0).then_some(1 + (x >> 8) as usize % 4);
                     let req = json!({"prompt": format!("Story number {i}:"), "n_predict": n_predict, "stream": true});
-                    let res = ureq::post(&format!("{}/completion", server.base))
-                        .timeout(Duration::from_secs(120))
-                        .send_json(req)
-                        .expect("stream request");
+                    let res = ureq::post(&format!("{}/completion", server.base)).timeout(Duration::from_secs(120)).send_json(req).expect("stream request");
                     let mut chunks = 0;
                     for line in BufReader::new(res.into_reader()).lines() {
                         let Ok(line) = line else { break };

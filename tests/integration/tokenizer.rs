@@ -11,11 +11,7 @@ fn cases(inp: &Path, out: &Path) -> Vec<(String, Vec<i32>)> {
     if raw.ends_with("\n__ggml_vocab_test__\n") {
         texts.pop();
     }
-    let outs: Vec<Vec<i32>> = std::fs::read_to_string(out)
-        .unwrap()
-        .lines()
-        .map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect())
-        .collect();
+    let outs: Vec<Vec<i32>> = std::fs::read_to_string(out).unwrap().lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
     assert_eq!(texts.len(), outs.len(), "{}: input and output counts differ", inp.display());
     texts.into_iter().map(String::from).zip(outs).collect()
 }

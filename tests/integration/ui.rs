@@ -90,8 +90,7 @@ fn built_in_ui_is_served_gzipped_and_cached_like_llama_server() {
     assert_eq!(plain.status, 415);
     assert_eq!(plain.body, b"Error: gzip is not supported by this browser");
 
-    let (name, (etag, mime)) =
-        assets.iter().find(|(n, _)| n.starts_with("_app/immutable/") && n.ends_with(".js")).expect("a hashed bundle");
+    let (name, (etag, mime)) = assets.iter().find(|(n, _)| n.starts_with("_app/immutable/") && n.ends_with(".js")).expect("a hashed bundle");
     let asset = get(&server, &format!("/{name}"), &[gzip]);
     assert_eq!(asset.status, 200, "{name}");
     assert_eq!(asset.header("cache-control"), Some("public, max-age=31536000, immutable"));

@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, pool, ring, Activation, LayerTiers, Mats, T, OFFLOAD_MIN_BATCH};
+use super::{kernels, pool, ring, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
 use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
@@ -96,19 +96,7 @@ impl G<'_> {
         // SAFETY: srcs are live tensors; userdata (the LayerTiers) outlives every graph that
         // uses it (the registry keeps it until the model is freed, after all contexts).
         unsafe {
-            sys::ggml_custom_4d(
-                self.ctx,
-                ty,
-                ne[0],
-                ne[1],
-                ne[2],
-                1,
-                srcs.as_mut_ptr(),
-                srcs.len() as i32,
-                f,
-                n_tasks,
-                lt as *const LayerTiers as *mut c_void,
-            )
+            sys::ggml_custom_4d(self.ctx, ty, ne[0], ne[1], ne[2], 1, srcs.as_mut_ptr(), srcs.len() as i32, f, n_tasks, lt as *const LayerTiers as *mut c_void)
         }
     }
 

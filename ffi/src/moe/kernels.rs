@@ -166,7 +166,15 @@ pub(crate) unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
 
 /// act(gate·x) * (up·x) into `h` ([n_ff, n_used, n_tok]) for rows `r0..r1` of the
 /// `items.len() * n_ff` rows of the cold items ([`cold_items`]). `x(t)` is token t's input row.
-pub(crate) fn gate_up_rows<'x>(lt: &LayerTiers, x: impl Fn(usize) -> &'x [f32], items: &[(usize, usize, usize)], n_used: usize, h: *mut f32, r0: usize, r1: usize) {
+pub(crate) fn gate_up_rows<'x>(
+    lt: &LayerTiers,
+    x: impl Fn(usize) -> &'x [f32],
+    items: &[(usize, usize, usize)],
+    n_used: usize,
+    h: *mut f32,
+    r0: usize,
+    r1: usize,
+) {
     let n_embd = lt.n_embd;
     let n_ff = lt.n_ff;
     let cold = &lt.cold;

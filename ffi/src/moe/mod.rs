@@ -738,7 +738,11 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         // tensors are allocated with; the slots the window addresses stop before it.
         let ring_slots = if r.emulated { 2 * half } else { ring_bytes / nb2 - 1 };
         let Some(mem) = r.window(m, head, ring_bytes) else {
-            err = Some(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: (head + ring_bytes) as u64, device: "the hot tier's device".into() });
+            err = Some(PlaceError::Alloc {
+                what: format!("layer {il} expert window"),
+                bytes: (head + ring_bytes) as u64,
+                device: "the hot tier's device".into(),
+            });
             return None;
         };
         let buf = match mem {
@@ -751,8 +755,14 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         unsafe {
             sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
             let base = sys::ggml_backend_buffer_get_base(buf);
-            if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS {
-                err = Some(PlaceError::Alloc { what: format!("layer {il} expert window tensors"), bytes: (head + ring_bytes) as u64, device: "the hot tier's device".into() });
+            if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS
+                || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS
+            {
+                err = Some(PlaceError::Alloc {
+                    what: format!("layer {il} expert window tensors"),
+                    bytes: (head + ring_bytes) as u64,
+                    device: "the hot tier's device".into(),
+                });
                 return None;
             }
         }
@@ -768,7 +778,14 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
 
 /// Starts the ring's copier, measures the copy and CPU rates that the cost model compares, and
 /// returns the start-up log line.
-fn start_ring(r: &Arc<ring::Ring>, entries: &[(usize, Arc<LayerTiers>)], dev: sys::ggml_backend_dev_t, gpu: bool, plan: &Plan, expert_bytes: usize) -> Result<String, PlaceError> {
+fn start_ring(
+    r: &Arc<ring::Ring>,
+    entries: &[(usize, Arc<LayerTiers>)],
+    dev: sys::ggml_backend_dev_t,
+    gpu: bool,
+    plan: &Plan,
+    expert_bytes: usize,
+) -> Result<String, PlaceError> {
     let n_layers = entries.iter().filter(|(_, lt)| lt.ring.is_some()).count();
     // SAFETY: valid device; NULL when it has no page-locked host memory.
     let staging_buft = if gpu {
@@ -787,8 +804,13 @@ fn start_ring(r: &Arc<ring::Ring>, entries: &[(usize, Arc<LayerTiers>)], dev: sy
         ColdCopy::Ram => "through a page-locked staging buffer from the RAM copy",
         ColdCopy::Mapped => "through a page-locked staging buffer from the file mapping",
     };
-    let what = if r.emulated { "emulated on the CPU (STRATA_RING_EMULATE=1)".to_string() } else { format!("{:.2} GiB on the device", r.bytes as f64 / (1u64 << 30) as f64) };
-    let mut line = format!("prefill ring: {} slots in two halves ({what}), {n_layers} of {} tiered layers windowed, copies {source}", 2 * r.half, entries.len());
+    let what = if r.emulated {
+        "emulated on the CPU (STRATA_RING_EMULATE=1)".to_string()
+    } else {
+        format!("{:.2} GiB on the device", r.bytes as f64 / (1u64 << 30) as f64)
+    };
+    let mut line =
+        format!("prefill ring: {} slots in two halves ({what}), {n_layers} of {} tiered layers windowed, copies {source}", 2 * r.half, entries.len());
     if let (Some(c), Some(p)) = (copy, cpu) {
         let model = ring::CostModel { copy_bytes_per_s: c, cpu_pairs_per_s: p * workers, expert_bytes: expert_bytes as f64 };
         *r.cost.lock().unwrap_or_else(|e| e.into_inner()) = Some(model);
@@ -829,9 +851,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         workers = pool::get(workers).workers();
     }
     // SAFETY: valid device.
-    let (hot_buft, dev_name) = unsafe {
-        (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned())
-    };
+    let (hot_buft, dev_name) =
+        unsafe { (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned()) };
     let cold_buft = match plan.cold {
         ColdCopy::Mapped => None,
         // SAFETY: the CPU device exists whenever the CPU backend is loaded.
@@ -1017,33 +1038,36 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             }
             _ => None,
         };
-        entries.push((key, Arc::new(LayerTiers {
-            model: model.as_ptr() as usize,
-            layer: *il,
-            n_embd: info.n_embd,
-            n_ff: info.n_ff,
-            activation: AtomicU8::new(Activation::Silu as u8),
-            hot,
-            cold_tensors,
-            cold,
-            cold_rows,
-            cold_map,
-            cold_mask,
-            cold_tier,
-            n_cold: cold_list.len(),
-            cold_threads: plan.cold_threads,
-            count_only: plan.count_only,
-            flat_from: flat_from(gpu, quantized),
-            n_used,
-            cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
-            staging,
-            pcie_frac: plan.pcie_frac,
-            host_op,
-            tally,
-            window,
-            ring: ring_entry,
-            _owned: owned,
-        })));
+        entries.push((
+            key,
+            Arc::new(LayerTiers {
+                model: model.as_ptr() as usize,
+                layer: *il,
+                n_embd: info.n_embd,
+                n_ff: info.n_ff,
+                activation: AtomicU8::new(Activation::Silu as u8),
+                hot,
+                cold_tensors,
+                cold,
+                cold_rows,
+                cold_map,
+                cold_mask,
+                cold_tier,
+                n_cold: cold_list.len(),
+                cold_threads: plan.cold_threads,
+                count_only: plan.count_only,
+                flat_from: flat_from(gpu, quantized),
+                n_used,
+                cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
+                staging,
+                pcie_frac: plan.pcie_frac,
+                host_op,
+                tally,
+                window,
+                ring: ring_entry,
+                _owned: owned,
+            }),
+        ));
     }
     if let Some(r) = ring.as_ref().filter(|_| !entries.iter().any(|(_, lt)| lt.ring.is_some())) {
         placement.ring = Some(format!("prefill ring: off (no tiered layer's cold experts fit a half of the {} slots)", 2 * r.half));

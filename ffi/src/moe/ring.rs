@@ -209,7 +209,10 @@ fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
 /// How copies reach the ring.
 #[derive(Clone, Copy)]
 enum Copier {
-    Device { fns: Fns, dev: i32 },
+    Device {
+        fns: Fns,
+        dev: i32,
+    },
     /// CPU emulation: plain memcpy.
     Host,
 }
@@ -673,7 +676,15 @@ impl Ring {
 }
 
 impl RingLayer {
-    pub(crate) fn new(first_slot: usize, src: Vec<(usize, usize)>, dst: Vec<usize>, cold_rows: Vec<i32>, hot_slots: Vec<i32>, tally: Arc<Tally>, n_used: usize) -> Self {
+    pub(crate) fn new(
+        first_slot: usize,
+        src: Vec<(usize, usize)>,
+        dst: Vec<usize>,
+        cold_rows: Vec<i32>,
+        hot_slots: Vec<i32>,
+        tally: Arc<Tally>,
+        n_used: usize,
+    ) -> Self {
         Self { first_slot, src, dst, cold_rows, hot_slots, tally, n_used, active: Default::default() }
     }
 

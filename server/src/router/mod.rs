@@ -230,7 +230,13 @@ async fn proxy_get(State(app): State<RouterApp>, Query(q): Params, OriginalUri(u
     route_to(&app, &name, autoload(&app, &q), false, fwd).await
 }
 
-async fn proxy_post(State(app): State<RouterApp>, Query(q): Params, OriginalUri(uri): OriginalUri, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+async fn proxy_post(
+    State(app): State<RouterApp>,
+    Query(q): Params,
+    OriginalUri(uri): OriginalUri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let parsed = http::parse_body(&body)?;
     let name = parsed.get("model").and_then(Value::as_str).unwrap_or_default().to_string();
     let conv = crate::streams::conv_id(&headers);

@@ -160,7 +160,10 @@ enum SpawnMode {
 
 enum ChildCmd {
     /// Ask the child to exit; force-kill after the timeout.
-    Stop { send_exit: bool, timeout: Duration },
+    Stop {
+        send_exit: bool,
+        timeout: Duration,
+    },
     Kill,
 }
 
@@ -413,11 +416,7 @@ impl Models {
         let running = inner.count_running() as i64;
         let stopping = inner.models.values().filter(|i| i.meta.is_running() && inner.stopping.contains(&i.meta.name)).count() as i64;
         let needed = inner.queue.iter().filter(|e| !e.loading).count() as i64;
-        let claimed = inner
-            .queue
-            .iter()
-            .filter(|e| e.loading && inner.models.get(&e.name).is_some_and(|i| !i.meta.is_running()))
-            .count() as i64;
+        let claimed = inner.queue.iter().filter(|e| e.loading && inner.models.get(&e.name).is_some_and(|i| !i.meta.is_running())).count() as i64;
         let mut free = self.cfg.models_max - running + stopping - claimed;
         while free < needed {
             let Some(victim) = self.pick_victim(inner) else { return };

@@ -97,9 +97,7 @@ impl Tool for ReadFile {
             return Ok(json!({"base64": encoded, "size_bytes": content.len()}));
         }
         if size > READ_FILE_MAX as u64 && end_line == -1 {
-            return failure(format!(
-                "file too large ({size} bytes, max {READ_FILE_MAX}). Use start_line/end_line to read a portion."
-            ));
+            return failure(format!("file too large ({size} bytes, max {READ_FILE_MAX}). Use start_line/end_line to read a portion."));
         }
         let Some(content) = io.read(&path) else {
             return failure(format!("failed to open file: {path}"));
@@ -204,10 +202,7 @@ impl Tool for FileGlobSearch {
         }
         text += &format!("\n---\nTotal matches: {total}\n");
         if total > shown.len() {
-            text += &format!(
-                "[{} results limit reached ({total} total matches). Refine the glob pattern to narrow the search.]\n",
-                shown.len()
-            );
+            text += &format!("[{} results limit reached ({total} total matches). Refine the glob pattern to narrow the search.]\n", shown.len());
         }
         if listing.truncated {
             text += "[results truncated: time budget or unreadable directory]\n";
@@ -378,8 +373,7 @@ impl Tool for ExecShellCommand {
         let p = &call.params;
         let command = required_str(p, "command")?;
         let timeout = int_or(p, "timeout", SHELL_DEFAULT_TIMEOUT_SECS).clamp(0, SHELL_MAX_TIMEOUT_SECS);
-        let max_output = usize::try_from(int_or(p, "max_output_size", SHELL_MAX_OUTPUT as i64))
-            .map_or(SHELL_MAX_OUTPUT, |n| n.min(SHELL_MAX_OUTPUT));
+        let max_output = usize::try_from(int_or(p, "max_output_size", SHELL_MAX_OUTPUT as i64)).map_or(SHELL_MAX_OUTPUT, |n| n.min(SHELL_MAX_OUTPUT));
         let timeout = Duration::from_secs(timeout as u64);
         let argv = vec!["sh".to_string(), "-c".to_string(), command];
         let io = call.io()?;
@@ -553,11 +547,7 @@ impl Tool for GetInfo {
     }
 
     fn definition(&self) -> Value {
-        function(
-            self.name(),
-            "Returns runtime info: the OS name/version and the current working directory",
-            json!({"type": "object", "properties": {}}),
-        )
+        function(self.name(), "Returns runtime info: the OS name/version and the current working directory", json!({"type": "object", "properties": {}}))
     }
 
     fn invoke(&self, call: &Call, _: Option<&mut dyn Sink>) -> Result<Value, ToolError> {
@@ -565,16 +555,16 @@ impl Tool for GetInfo {
         let run = |argv: &[&str]| {
             let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
             let res = io.run(&argv, GET_INFO_MAX_OUTPUT, GET_INFO_TIMEOUT, None);
-            if res.ok() { res.text().trim().to_string() } else { "unknown".to_string() }
+            if res.ok() {
+                res.text().trim().to_string()
+            } else {
+                "unknown".to_string()
+            }
         };
         let os = run(&["uname", "-a"]);
         let mut cwd = call.cwd().to_string();
         if cwd.is_empty() {
-            cwd = if io.is_isolated() {
-                run(&["pwd"])
-            } else {
-                std::env::current_dir().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()
-            };
+            cwd = if io.is_isolated() { run(&["pwd"]) } else { std::env::current_dir().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default() };
         }
         Ok(json!({"os": os, "cwd": cwd}))
     }

@@ -23,9 +23,9 @@ impl EditError {
             Self::NotUnique { index, count } => {
                 format!("found {count} occurrences of edits[{index}].old_text in {path}, it must be unique")
             }
-            Self::Overlap { first, second } => format!(
-                "edits[{first}] and edits[{second}] overlap in {path}; merge them into one edit or target disjoint regions"
-            ),
+            Self::Overlap { first, second } => {
+                format!("edits[{first}] and edits[{second}] overlap in {path}; merge them into one edit or target disjoint regions")
+            }
         }
     }
 }

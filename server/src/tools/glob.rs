@@ -2,10 +2,8 @@
 //! it, `[...]` is a byte class with `!` negation and ranges.
 
 /// Directories a listing reports but never descends into: they can be enormous.
-pub const JUNK_DIRS: &[&str] = &[
-    ".git", ".svn", ".hg", "node_modules", "__pycache__", ".venv", "venv", "dist", "build", "target", ".cache", ".idea",
-    ".vscode",
-];
+pub const JUNK_DIRS: &[&str] =
+    &[".git", ".svn", ".hg", "node_modules", "__pycache__", ".venv", "venv", "dist", "build", "target", ".cache", ".idea", ".vscode"];
 
 pub fn is_junk_dir(name: &str) -> bool {
     JUNK_DIRS.contains(&name)

@@ -61,8 +61,7 @@ pub trait ToolIo {
     fn write(&self, path: &str, content: &[u8]) -> bool;
     /// Entries under `base` (already resolved); `max_depth` 0 is unlimited, 1 direct children only.
     fn list(&self, base: &str, max_depth: usize, kind: ListKind) -> Option<Listing>;
-    fn run(&self, argv: &[String], max_output: usize, timeout: Duration, on_chunk: OnChunk<'_>)
-        -> ExecResult;
+    fn run(&self, argv: &[String], max_output: usize, timeout: Duration, on_chunk: OnChunk<'_>) -> ExecResult;
     /// Whether commands run in a POSIX isolate rather than on this host.
     fn is_isolated(&self) -> bool;
 }
@@ -123,15 +122,12 @@ impl RuntimeSpec {
 /// The id lands on the `<engine> exec` command line, so one that reads as an option
 /// (`--privileged`) must not get through.
 pub fn is_valid_container_id(id: &str) -> bool {
-    id.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    id.starts_with(|c: char| c.is_ascii_alphanumeric()) && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
 }
 
 /// ssh reads options from its argv: a target like `-oProxyCommand=...` would run on this host.
 pub fn is_valid_ssh_target(target: &str) -> bool {
-    !target.is_empty()
-        && !target.starts_with('-')
-        && target.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '@'))
+    !target.is_empty() && !target.starts_with('-') && target.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '@'))
 }
 
 fn home_dir() -> Option<String> {
@@ -198,8 +194,7 @@ impl HostIo {
     }
 
     fn git_ls_files(&self, base: &str, max_depth: usize) -> Option<Vec<ListEntry>> {
-        let argv: Vec<String> =
-            ["git", "-C", base, "ls-files", "-z", "--cached", "--others", "--exclude-standard"].map(String::from).into();
+        let argv: Vec<String> = ["git", "-C", base, "ls-files", "-z", "--cached", "--others", "--exclude-standard"].map(String::from).into();
         let res = self.run(&argv, GIT_LS_FILES_MAX_OUTPUT, LIST_TIMEOUT, None);
         if !res.ok() {
             return None;
@@ -388,8 +383,7 @@ impl IsolateIo {
     }
 
     fn test(&self, flag: &str, path: &str) -> bool {
-        self.exec(&strings(&["sh", "-c", &format!("[ {flag} \"$1\" ]"), "_", &self.resolve(path)]), SMALL_OUTPUT, true, None)
-            .ok()
+        self.exec(&strings(&["sh", "-c", &format!("[ {flag} \"$1\" ]"), "_", &self.resolve(path)]), SMALL_OUTPUT, true, None).ok()
     }
 
     /// One `find` pass; `-prune` keeps junk directories listed but unvisited, and only
@@ -488,8 +482,7 @@ impl ToolIo for IsolateIo {
             inner = wrapped;
         }
         let host_argv = self.transport.argv(&inner, true);
-        let spawn =
-            Spawn { argv: &host_argv, cwd: None, stdin: Some(b""), combine_stderr: true, max_output, timeout: timeout + ISOLATE_TIMEOUT_GRACE };
+        let spawn = Spawn { argv: &host_argv, cwd: None, stdin: Some(b""), combine_stderr: true, max_output, timeout: timeout + ISOLATE_TIMEOUT_GRACE };
         process::run(&spawn, on_chunk)
     }
 
@@ -534,10 +527,7 @@ mod tests {
         assert_eq!(msg("ssh:-oProxyCommand=touch /tmp/pwned"), "invalid ssh target: -oProxyCommand=touch /tmp/pwned");
         assert_eq!(msg("ssh:user@host;rm"), "invalid ssh target: user@host;rm");
         assert_eq!(msg("fake:does-not-exist"), "unknown tool runtime: fake:does-not-exist");
-        assert_eq!(
-            RuntimeSpec::parse("podman-container:abc_1.2-x").unwrap(),
-            RuntimeSpec::Attach { engine: "podman", id: "abc_1.2-x".into() }
-        );
+        assert_eq!(RuntimeSpec::parse("podman-container:abc_1.2-x").unwrap(), RuntimeSpec::Attach { engine: "podman", id: "abc_1.2-x".into() });
         assert_eq!(RuntimeSpec::parse("docker:busybox").unwrap(), RuntimeSpec::Spawn { engine: "docker", image: "busybox".into() });
         assert_eq!(RuntimeSpec::parse("ssh:me@box.lan").unwrap(), RuntimeSpec::Ssh { target: "me@box.lan".into() });
     }

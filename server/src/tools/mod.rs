@@ -42,8 +42,7 @@ pub struct Call {
 }
 
 /// Keys the server sets from headers; the model's own values for them are dropped.
-const HEADER_PARAMS: [(&str, &str); 3] =
-    [("cwd", "x-tool-cwd"), ("runtime", "x-tool-runtime"), ("resp_type", "x-resp-type")];
+const HEADER_PARAMS: [(&str, &str); 3] = [("cwd", "x-tool-cwd"), ("runtime", "x-tool-runtime"), ("resp_type", "x-resp-type")];
 
 impl Call {
     fn field(&self, key: &str) -> &str {
@@ -122,10 +121,7 @@ pub struct Tools {
 impl Tools {
     /// The tools `--tools` enables (`all` for every one), or None when it names none.
     pub fn from_params(cfg: &Value) -> Result<Option<Arc<Self>>, SetupError> {
-        let enabled: Vec<String> = cfg["server_tools"]
-            .as_array()
-            .map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect())
-            .unwrap_or_default();
+        let enabled: Vec<String> = cfg["server_tools"].as_array().map(|a| a.iter().filter_map(Value::as_str).map(String::from).collect()).unwrap_or_default();
         if enabled.is_empty() {
             return Ok(None);
         }
@@ -154,11 +150,7 @@ impl Tools {
     }
 
     fn find(&self, name: &str, stream: bool) -> Result<&dyn Tool, ToolError> {
-        let tool = self
-            .tools
-            .iter()
-            .find(|t| t.name() == name)
-            .ok_or_else(|| ToolError::NotFound(format!("unknown tool \"{name}\"")))?;
+        let tool = self.tools.iter().find(|t| t.name() == name).ok_or_else(|| ToolError::NotFound(format!("unknown tool \"{name}\"")))?;
         if stream && !tool.streams() {
             return Err(ToolError::NotFound(format!("tool \"{name}\" does not support stream = true")));
         }
@@ -186,10 +178,7 @@ mod tests {
     #[test]
     fn enables_all_or_the_named_tools() {
         let all = Tools::new(&["all".into()], "").unwrap();
-        assert_eq!(
-            names(&all),
-            ["read_file", "file_glob_search", "grep_search", "exec_shell_command", "write_file", "edit_file", "get_info"]
-        );
+        assert_eq!(names(&all), ["read_file", "file_glob_search", "grep_search", "exec_shell_command", "write_file", "edit_file", "get_info"]);
         let some = Tools::new(&["write_file".into(), "read_file".into()], "").unwrap();
         assert_eq!(names(&some), ["read_file", "write_file"]);
     }

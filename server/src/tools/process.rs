@@ -50,10 +50,11 @@ pub fn run(spec: &Spawn<'_>, mut on_chunk: OnChunk<'_>) -> ExecResult {
         return failed;
     };
     let mut cmd = Command::new(program);
-    cmd.args(args)
-        .stdin(if spec.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(if spec.combine_stderr { Stdio::piped() } else { Stdio::null() });
+    cmd.args(args).stdin(if spec.stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(if spec.combine_stderr {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
     if let Some(cwd) = spec.cwd.filter(|c| !c.is_empty()) {
         cmd.current_dir(cwd);
     }

@@ -16,7 +16,6 @@ use crate::error::{ApiError, ErrorType};
 /// Stream events a slow client may leave unread before the tool waits for it.
 const STREAM_BACKLOG: usize = 64;
 
-
 impl IntoResponse for ToolError {
     fn into_response(self) -> Response {
         let (status, kind) = match &self {
@@ -166,9 +165,9 @@ fn incomplete_utf8_tail(bytes: &[u8]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use axum::Router;
     use super::*;
     use axum::http::Request as HttpRequest;
+    use axum::Router;
     use tower::ServiceExt;
 
     #[test]
@@ -253,8 +252,7 @@ mod tests {
         let call = r#"{"tool":"exec_shell_command","stream":true,"params":{"command":"echo hello"}}"#;
         let (s, body) = send(app().await, "POST", call, &[]).await;
         assert_eq!(s, StatusCode::OK);
-        let events: Vec<Value> =
-            body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(|e| serde_json::from_str(e).unwrap()).collect();
+        let events: Vec<Value> = body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(|e| serde_json::from_str(e).unwrap()).collect();
         assert_eq!(events.last().unwrap(), &json!({"done": true}));
         let text: String = events.iter().filter_map(|e| e["chunk"].as_str()).collect();
         assert_eq!(text, "hello\n\n[exit code: 0]");

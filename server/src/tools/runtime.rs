@@ -39,10 +39,7 @@ impl Runtime {
             Self::Owned(container) => {
                 let mut c = container.lock().unwrap_or_else(|p| p.into_inner());
                 if !c.alive() {
-                    strata_ffi::log_info(&format!(
-                        "srv  tools: {} tools runtime container \"{}\" died, respawning\n",
-                        c.engine, c.id
-                    ));
+                    strata_ffi::log_info(&format!("srv  tools: {} tools runtime container \"{}\" died, respawning\n", c.engine, c.id));
                     let fresh = OwnedContainer::spawn(c.engine, c.image.clone())?;
                     *c = fresh;
                 }
