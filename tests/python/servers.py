@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
-import time
-import urllib.request
+import sys
 from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from strata_tools import NotReady, free_port, wait_healthy  # noqa: E402
 
 
 def start(binary: Path, args: list[str], stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
@@ -23,15 +17,9 @@ def start(binary: Path, args: list[str], stderr=subprocess.DEVNULL) -> tuple[sub
     port = free_port()
     proc = subprocess.Popen([str(binary), *args, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=stderr)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health") as r:
-                if json.load(r).get("status") == "ok":
-                    return proc, url
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"{binary} did not become ready")
-        time.sleep(0.2)
+    try:
+        wait_healthy(url, proc, timeout=120, poll=0.2)
+    except NotReady as e:
+        proc.kill()
+        pytest.fail(f"{binary} {e}")
+    return proc, url

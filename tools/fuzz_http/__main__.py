@@ -29,16 +29,13 @@ from . import cases as gen
 from .compare import allowed, differences, load_allow, summarize
 from .wire import Answer, abandon, exchange, pipeline, request_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from strata_tools import free_port  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT = 90.0
 MALFORMED_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Each server's address space: a case that makes llama.cpp allocate without end (a grammar

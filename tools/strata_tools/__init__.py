@@ -1,0 +1,57 @@
+"""What the Python tools and tests share: a free loopback port, waiting for a server's /health,
+stopping it, and JSON requests.
+
+Scripts under tools/ put tools/ on sys.path (`sys.path.insert(0, str(TOOLS))`) and import this.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+
+
+class NotReady(Exception):
+    """The server exited or did not answer /health with "ok" in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 1800, poll: float = 0.3) -> None:
+    """Returns once GET url/health answers {"status": "ok"}; raises NotReady if proc exits first
+    or timeout seconds pass."""
+    deadline = time.time() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise NotReady(f"exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if json.load(r).get("status") == "ok":
+                    return
+        except (OSError, ValueError):
+            pass
+        if time.time() > deadline:
+            raise NotReady(f"not ready in {timeout:.0f} s")
+        time.sleep(poll)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after timeout seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
