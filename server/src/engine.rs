@@ -15,14 +15,15 @@ use serde_json::Value;
 use strata_ffi::{Batch, Context, DecodeError, LoraAdapter, Model, Sampler, SeqRm, ServerParams, Speculative, StateScope, Token, Verbosity};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::admission::Admission;
 use crate::checkpoint::{self, Checkpoint};
 use crate::error::{ApiError, ErrorType};
 use crate::generation::{Generation, StopType};
 use crate::metrics::Metrics;
 use crate::prompt_cache::PromptCache;
 
-/// Requests waiting for the engine; beyond this, handlers answer 503 at once.
-pub const QUEUE_DEPTH: usize = 64;
+/// Jobs other than tasks (slot actions, control, wake) the channel holds beyond the task bound.
+const OTHER_JOBS: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
@@ -278,6 +279,7 @@ pub struct EngineHandle {
     lora: Arc<std::sync::Mutex<Vec<LoraInfo>>>,
     /// A task's settings when it sets none, once the model is loaded.
     default_settings: Arc<OnceLock<Value>>,
+    admission: Arc<Admission>,
 }
 
 impl EngineHandle {
@@ -315,6 +317,16 @@ impl EngineHandle {
     pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
         let n_cmpl = params.n_cmpl.max(1);
+        let n_tasks = prompts.len() * n_cmpl;
+        self.admission.try_admit(n_tasks).map_err(|f| {
+            let mut e = ApiError::new(
+                ErrorType::Unavailable,
+                format!("server is busy: {} tasks are waiting for a slot (--max-queued {}); try again later", f.queued, f.bound),
+            );
+            e.retry_after = Some(crate::admission::RETRY_AFTER_S);
+            e
+        })?;
+        let mut sent = 0;
         for (p, prompt) in prompts.into_iter().enumerate() {
             for j in 0..n_cmpl {
                 let mut params = params.clone();
@@ -326,10 +338,14 @@ impl EngineHandle {
                 }
                 let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let task = Task { id, index: p * n_cmpl + j, prompt: prompt.clone(), params, events: events.clone() };
-                self.tx.try_send(Job::Task(task)).map_err(|e| match e {
-                    mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
-                    mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
-                })?;
+                if let Err(e) = self.tx.try_send(Job::Task(task)) {
+                    self.admission.leave(n_tasks - sent);
+                    return Err(match e {
+                        mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
+                        mpsc::error::TrySendError::Closed(_) => ApiError::server("engine has stopped"),
+                    });
+                }
+                sent += 1;
             }
         }
         Ok(rx)
@@ -402,6 +418,7 @@ impl EngineHandle {
             sleeping: Arc::default(),
             lora: Arc::default(),
             default_settings: Arc::default(),
+            admission: Arc::new(Admission::new(crate::admission::DEFAULT_MAX_QUEUED)),
         }
     }
 }
@@ -438,6 +455,8 @@ pub struct EngineConfig {
     pub lora: Vec<(PathBuf, f32)>,
     /// The MoE expert residency flags, when any is given.
     pub experts: Option<crate::experts::ExpertConfig>,
+    /// --max-queued: most tasks waiting for a slot before requests get 503.
+    pub max_queued: usize,
     /// The model file is mapped (llama.cpp's load mode), which the expert tiers rely on.
     pub use_mmap: bool,
     /// --main-gpu: the GPU that holds the hot expert tier.
@@ -446,7 +465,8 @@ pub struct EngineConfig {
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
 pub fn spawn(cfg: EngineConfig) -> EngineHandle {
-    let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+    let admission = Arc::new(Admission::new(cfg.max_queued));
+    let (tx, rx) = mpsc::channel(cfg.max_queued.saturating_add(OTHER_JOBS));
     let (state_tx, state_rx) = watch::channel(State::Loading);
     let model = Arc::new(OnceLock::new());
     let n_ctx_slot = Arc::new(OnceLock::new());
@@ -461,10 +481,11 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         n_ctx_slot: n_ctx_slot.clone(),
         metrics: metrics.clone(),
         lora: lora.clone(),
+        admission: admission.clone(),
     };
     let model_alias = cfg.model_alias.as_str().into();
     std::thread::Builder::new().name("strata-engine".into()).spawn(move || run(cfg, rx, state_tx, &shared)).expect("spawn engine thread");
-    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, sleeping, lora, default_settings }
+    EngineHandle { tx, state: state_rx, model, model_alias, n_ctx_slot, next_task_id: Arc::default(), metrics, sleeping, lora, default_settings, admission }
 }
 
 /// What the engine publishes for handlers.
@@ -476,6 +497,7 @@ struct Shared {
     model: Arc<OnceLock<Arc<Model>>>,
     n_ctx_slot: Arc<OnceLock<usize>>,
     metrics: Arc<std::sync::Mutex<Metrics>>,
+    admission: Arc<Admission>,
 }
 
 fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
@@ -1718,8 +1740,14 @@ impl<'m> Engine<'m> {
         // the ones behind it.
         let mut waiting = VecDeque::new();
         while let Some(task) = self.pending.pop_front() {
+            if task.events.is_closed() {
+                // The client went away while the task waited: it never takes a slot.
+                self.shared.admission.leave(1);
+                continue;
+            }
             match self.pick_slot(&task) {
                 Some((id, update_cache)) => {
+                    self.shared.admission.leave(1);
                     if update_cache {
                         self.swap_through_prompt_cache(id, &task.prompt);
                     }

@@ -34,11 +34,13 @@ pub struct ApiError {
     pub message: String,
     /// Fields llama-server adds to some errors (n_prompt_tokens and n_ctx when too long).
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// Seconds for a Retry-After header (a full queue).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(kind: ErrorType, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), extra: serde_json::Map::new() }
+        Self { kind, message: message.into(), extra: serde_json::Map::new(), retry_after: None }
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
@@ -76,6 +78,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, _) = self.kind.parts();
-        (status, Json(self.body())).into_response()
+        let mut r = (status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }

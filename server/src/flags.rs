@@ -152,6 +152,13 @@ pub const FLAGS: &[Flag] = &[
         maps_to: None,
         effect: Effect::Experts,
     },
+    Flag {
+        name: "--max-queued",
+        kind: Kind::Value("N"),
+        help: "most tasks waiting for a slot; a request past it gets 503 with Retry-After (default 4096)",
+        maps_to: None,
+        effect: Effect::Active,
+    },
     Flag { name: "--vram-reserve-mib", kind: Kind::Value("N"), help: "VRAM left free for other processes, in MiB", maps_to: None, effect: Effect::Experts },
 ];
 
@@ -195,7 +202,6 @@ impl StrataArgs {
         self.values.iter().filter(|(n, _)| FLAGS.iter().any(|f| f.name == *n && f.maps_to.is_none())).map(|(n, _)| *n)
     }
 
-    #[cfg(test)]
     pub fn get(&self, name: &str) -> Option<&str> {
         self.values.iter().rev().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
     }
@@ -203,6 +209,18 @@ impl StrataArgs {
     #[cfg(test)]
     pub fn is_set(&self, name: &str) -> bool {
         self.get(name).is_some()
+    }
+
+    /// --max-queued, or its default.
+    pub fn max_queued(&self) -> Result<usize, String> {
+        match self.get("--max-queued") {
+            None => Ok(crate::admission::DEFAULT_MAX_QUEUED),
+            Some(v) => v
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("error while handling argument \"--max-queued\": expected a positive integer, got '{v}'")),
+        }
     }
 }
 
@@ -299,6 +317,16 @@ mod tests {
         assert_eq!(strata.get("--expert-cache"), Some("auto"));
         assert_eq!(strata.get("--prefill"), Some("8192"));
         assert_eq!(rest, argv("-m x.gguf --batch-size 8192 --ubatch-size 8192 --cache-type-k q8_0 --cache-type-v q8_0 --spec-draft-n-max 4"));
+    }
+
+    #[test]
+    fn max_queued_defaults_and_refuses_nonsense() {
+        assert_eq!(split(&argv("")).unwrap().0.max_queued(), Ok(crate::admission::DEFAULT_MAX_QUEUED));
+        assert_eq!(split(&argv("--max-queued 8")).unwrap().0.max_queued(), Ok(8));
+        for bad in ["0", "-1", "x"] {
+            let e = split(&argv(&format!("--max-queued {bad}"))).unwrap().0.max_queued().unwrap_err();
+            assert!(e.contains("--max-queued") && e.contains(bad), "{e}");
+        }
     }
 
     #[test]

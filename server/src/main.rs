@@ -1,5 +1,6 @@
 //! strata-server: llama-server's command line and HTTP API over the pinned, patched llama.cpp.
 
+mod admission;
 mod agent;
 mod anthropic;
 mod checkpoint;
@@ -106,6 +107,7 @@ fn serve(
     for w in flags::warnings(&strata, experts.is_some(), |v| std::env::var_os(v).is_some()) {
         eprintln!("strata: warning: {w}");
     }
+    let max_queued = strata.max_queued().map_err(|e| anyhow::anyhow!(e))?;
     let cfg = params.to_json().context("reading parsed parameters")?;
     let hosts: Vec<String> = cfg["hostnames"]
         .as_array()
@@ -153,6 +155,7 @@ fn serve(
             sleep_idle,
             ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
             experts,
+            max_queued,
             use_mmap: matches!(cfg["load_mode"].as_i64(), Some(-1 | 1 | 3)),
             main_gpu: cfg["main_gpu"].as_u64().unwrap_or(0) as usize,
             cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,

@@ -1,6 +1,6 @@
 //! The engine through HTTP: streaming, stop strings, prompt reuse, parallel slots, cancellation.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -326,6 +326,55 @@ fn a_client_that_disconnects_frees_its_slot() {
     let (status, body) = server.post("/completion", &greedy("Hello", 4));
     assert_eq!(status, 200, "the only slot must be free again: {body}");
     assert_eq!(body["tokens_predicted"], 4);
+}
+
+#[test]
+fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
+    let server = gemma(&["-np", "1", "--max-queued", "1"]);
+    // A holds the only slot.
+    let mut a = greedy("Count from one to a thousand:", 1500);
+    a["stream"] = json!(true);
+    let res = ureq::post(&format!("{}/completion", server.base)).send_json(a).unwrap();
+    let mut a_lines = BufReader::new(res.into_reader()).lines();
+    assert!(a_lines.find(|l| l.as_ref().is_ok_and(|l| l.starts_with("data: "))).is_some());
+
+    // B queues, then its client goes away before B reaches a slot: B must leave the queue.
+    let addr = server.base.trim_start_matches("http://").to_string();
+    let body = greedy("Hello", 4).to_string();
+    let mut b = std::net::TcpStream::connect(&addr).unwrap();
+    write!(b, "POST /completion HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(b);
+    std::thread::sleep(Duration::from_millis(300));
+
+    // C takes the one place in the queue that B left.
+    let c_url = format!("{}/completion", server.base);
+    let c = std::thread::spawn(move || match ureq::post(&c_url).send_json(greedy("Hello", 4)) {
+        Ok(r) => (200, r.into_json::<Value>().unwrap()),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap_or_default()),
+        Err(e) => panic!("{e}"),
+    });
+    std::thread::sleep(Duration::from_millis(300));
+
+    // D finds the queue full.
+    match ureq::post(&format!("{}/completion", server.base)).send_json(greedy("Hi", 4)) {
+        Err(ureq::Error::Status(503, r)) => {
+            assert_eq!(r.header("Retry-After"), Some("1"));
+            let e: Value = r.into_json().unwrap();
+            assert_eq!(e["error"]["code"], 503, "{e}");
+            assert_eq!(e["error"]["type"], "unavailable_error", "{e}");
+            assert!(e["error"]["message"].as_str().unwrap().contains("--max-queued 1"), "{e}");
+        }
+        other => panic!("expected 503 while C waits: {:?}", other.map(|r| r.status())),
+    }
+
+    drop(a_lines);
+    let (status, c) = c.join().unwrap();
+    assert_eq!(status, 200, "C must have been queued, not refused (B's place was not given back?): {c}");
+    assert_eq!(c["tokens_predicted"], 4);
+    // and the queue is open again
+    let (status, _) = server.post("/completion", &greedy("Hi", 2));
+    assert_eq!(status, 200);
 }
 
 #[test]
