@@ -126,7 +126,7 @@ pub enum SlotAction {
 }
 
 pub enum Job {
-    Task(Task),
+    Task(Box<Task>),
     Slot(SlotAction, oneshot::Sender<Result<Value, ApiError>>),
     /// Answered once the engine is awake (its context re-created after sleeping).
     Wake(oneshot::Sender<()>),
@@ -338,7 +338,7 @@ impl EngineHandle {
                 }
                 let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let task = Task { id, index: p * n_cmpl + j, prompt: prompt.clone(), params, events: events.clone() };
-                if let Err(e) = self.tx.try_send(Job::Task(task)) {
+                if let Err(e) = self.tx.try_send(Job::Task(Box::new(task))) {
                     self.admission.leave(n_tasks - sent);
                     return Err(match e {
                         mpsc::error::TrySendError::Full(_) => ApiError::new(ErrorType::Unavailable, "server is busy, try again later"),
@@ -1149,7 +1149,7 @@ impl<'m> Engine<'m> {
 
     fn take(&mut self, job: Job) {
         match job {
-            Job::Task(t) => self.pending.push_back(t),
+            Job::Task(t) => self.pending.push_back(*t),
             Job::Slot(a, reply) => self.slot_actions.push_back((a, reply)),
             Job::Wake(reply) => {
                 let _ = reply.send(());
@@ -2160,11 +2160,10 @@ impl<'m> Engine<'m> {
             if !ctx_shift && slot.cache.len() + 1 >= n_ctx_slot {
                 a.truncated = true;
                 a.gen.stop = StopType::Limit;
-            } else if a.n_predict_max != -1 && a.n_decoded as i64 >= a.n_predict_max as i64 {
-                a.gen.stop = StopType::Limit;
-            } else if a.gen.has_new_line
-                && a.task.params.t_max_predict_ms > 0
-                && a.t_gen.is_some_and(|t| t.elapsed().as_millis() as i64 > a.task.params.t_max_predict_ms)
+            } else if (a.n_predict_max != -1 && a.n_decoded as i64 >= a.n_predict_max as i64)
+                || (a.gen.has_new_line
+                    && a.task.params.t_max_predict_ms > 0
+                    && a.t_gen.is_some_and(|t| t.elapsed().as_millis() as i64 > a.task.params.t_max_predict_ms))
             {
                 a.gen.stop = StopType::Limit;
             }

@@ -179,8 +179,8 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
                 Some(g.custom([n_embd, n_tok, 1], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
             }
         };
-        // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
         return NonNull::new(match cold_sum {
+            // SAFETY: both are [n_embd, n_tok] f32 graph tensors.
             Some(c) => unsafe { sys::ggml_add(g.ctx, out, c) },
             None => out,
         });

@@ -217,6 +217,7 @@ pub(crate) fn weighted_output(n_tok: usize) -> bool {
 /// Rows `r0..r1` (of n_embd) of down·h over the cold slots, into `out`: [n_embd, n_used, n_tok]
 /// per slot (zeros for hot slots), or with `w` (`w[t * n_used + k]` is slot k's routing weight)
 /// each token's weighted sum, [n_embd, n_tok]. Uploaded slots count as hot.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn down_rows(lt: &LayerTiers, h: *const f32, sel: &[i32], uploaded: &[bool], w: Option<&[f32]>, n_used: usize, out: *mut f32, r0: usize, r1: usize) {
     let (n_embd, n_ff) = (lt.n_embd, lt.n_ff);
     let Some(d) = lt.cold.down else { return };

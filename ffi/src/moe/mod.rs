@@ -315,7 +315,7 @@ impl LayerTiers {
             ring::expected_distinct(q, draws)
         } else {
             let n_cold = self.n_cold.max(1) as f64;
-            ring::expected_distinct(std::iter::repeat(self.cold_share_prior / n_cold).take(self.n_cold), draws)
+            ring::expected_distinct(std::iter::repeat_n(self.cold_share_prior / n_cold, self.n_cold), draws)
         };
         cost.prefers_ring(pairs, distinct)
     }
@@ -727,7 +727,7 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
     owned.ctxs.push(a.ctx);
     let mut kind = 0usize;
     let mut err = None;
-    let mut pair = |t: T| -> Option<(T, T)> {
+    let pair = |t: T| -> Option<(T, T)> {
         let m = kind;
         kind += 1;
         // SAFETY: t is a live 3-d model tensor.
@@ -768,7 +768,7 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         }
         Some((win, hot))
     };
-    let pairs = src.map(|t| pair(t));
+    let pairs = src.map(pair);
     match (pairs, err) {
         (Some(p), None) => Ok((p.map(|(w, _)| Some(w)).expect("infallible"), p.map(|(_, h)| Some(h)).expect("infallible"))),
         (_, Some(e)) => Err(e),
@@ -787,8 +787,8 @@ fn start_ring(
     expert_bytes: usize,
 ) -> Result<String, PlaceError> {
     let n_layers = entries.iter().filter(|(_, lt)| lt.ring.is_some()).count();
-    // SAFETY: valid device; NULL when it has no page-locked host memory.
     let staging_buft = if gpu {
+        // SAFETY: valid device; NULL when it has no page-locked host memory.
         let b = unsafe { sys::ggml_backend_dev_host_buffer_type(dev) };
         (!b.is_null()).then_some(b)
     } else {

@@ -166,14 +166,21 @@ pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
 }
 
 /// Functions of patches/0003, from the CUDA (or HIP) backend's proc addresses.
+type RingNew = unsafe extern "C" fn(i32, usize) -> *mut c_void;
+type RingFree = unsafe extern "C" fn(*mut c_void);
+type RingSize = unsafe extern "C" fn(*mut c_void) -> usize;
+type WindowNew = unsafe extern "C" fn(*mut c_void, usize) -> sys::ggml_backend_buffer_t;
+type CopyH2d = unsafe extern "C" fn(i32, *mut c_void, *const c_void, usize) -> bool;
+type CopyWait = unsafe extern "C" fn(i32) -> bool;
+
 #[derive(Clone, Copy)]
 struct Fns {
-    ring_new: unsafe extern "C" fn(i32, usize) -> *mut c_void,
-    ring_free: unsafe extern "C" fn(*mut c_void),
-    ring_size: unsafe extern "C" fn(*mut c_void) -> usize,
-    window_new: unsafe extern "C" fn(*mut c_void, usize) -> sys::ggml_backend_buffer_t,
-    copy_h2d: unsafe extern "C" fn(i32, *mut c_void, *const c_void, usize) -> bool,
-    copy_wait: unsafe extern "C" fn(i32) -> bool,
+    ring_new: RingNew,
+    ring_free: RingFree,
+    ring_size: RingSize,
+    window_new: WindowNew,
+    copy_h2d: CopyH2d,
+    copy_wait: CopyWait,
 }
 
 impl Fns {
@@ -187,12 +194,12 @@ impl Fns {
                 (!p.is_null()).then_some(p)
             };
             Some(Self {
-                ring_new: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_new")?),
-                ring_free: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_free")?),
-                ring_size: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_ring_size")?),
-                window_new: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_window_new")?),
-                copy_h2d: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_copy_h2d")?),
-                copy_wait: std::mem::transmute::<*mut c_void, _>(get(c"ggml_backend_cuda_copy_wait")?),
+                ring_new: std::mem::transmute::<*mut c_void, RingNew>(get(c"ggml_backend_cuda_ring_new")?),
+                ring_free: std::mem::transmute::<*mut c_void, RingFree>(get(c"ggml_backend_cuda_ring_free")?),
+                ring_size: std::mem::transmute::<*mut c_void, RingSize>(get(c"ggml_backend_cuda_ring_size")?),
+                window_new: std::mem::transmute::<*mut c_void, WindowNew>(get(c"ggml_backend_cuda_window_new")?),
+                copy_h2d: std::mem::transmute::<*mut c_void, CopyH2d>(get(c"ggml_backend_cuda_copy_h2d")?),
+                copy_wait: std::mem::transmute::<*mut c_void, CopyWait>(get(c"ggml_backend_cuda_copy_wait")?),
             })
         }
     }
@@ -404,7 +411,7 @@ impl Ring {
     }
 
     fn with(copier: Copier, half: usize, handles: Vec<*mut c_void>, fns: Option<Fns>, pinned_src: bool, emulated: bool, bytes: usize) -> Arc<Self> {
-        let ring = Arc::new(Self {
+        Arc::new(Self {
             copier,
             half,
             handles,
@@ -418,8 +425,7 @@ impl Ring {
             emulated,
             bytes,
             trace: std::env::var_os("STRATA_RING_TRACE").and_then(|p| std::fs::File::create(p).ok()).map(Mutex::new),
-        });
-        ring
+        })
     }
 
     /// The window of a layer whose hot part takes `head` bytes of matrix kind `m`.
@@ -889,9 +895,9 @@ mod tests {
         assert!(m.prefers_ring(8192.0, 400.0));
         // A cold pair or two: the CPU is quicker than a fill step.
         assert!(!m.prefers_ring(2.0, 2.0));
-        let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 40960.0);
+        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 40960.0);
         assert!((d - 512.0).abs() < 1.0);
-        let d = expected_distinct(std::iter::repeat(1.0 / 512.0).take(512), 10.0);
+        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 10.0);
         assert!((d - 10.0).abs() < 0.2);
     }
 }
