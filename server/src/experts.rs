@@ -15,7 +15,7 @@ use strata_residency::gguf::{self, ExpertLayout};
 use strata_residency::memguard::{self, CopyKind};
 use strata_residency::profile::Profile;
 
-use crate::flags::StrataArgs;
+use crate::cli::flags::StrataArgs;
 
 /// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
 /// GPU library's workspaces may grow past what the context reserved.
@@ -479,7 +479,7 @@ mod tests {
 
     fn args(v: &[&str]) -> StrataArgs {
         let argv: Vec<String> = std::iter::once("strata-server").chain(v.iter().copied()).map(String::from).collect();
-        crate::flags::split(&argv).unwrap().0
+        crate::cli::flags::split(&argv).unwrap().0
     }
 
     #[test]

@@ -4,12 +4,12 @@ mod admission;
 mod agent;
 mod anthropic;
 mod checkpoint;
+mod cli;
 mod cors_proxy;
 mod embeddings;
 mod engine;
 mod error;
 mod experts;
-mod flags;
 mod gcp;
 mod generation;
 mod http;
@@ -27,9 +27,9 @@ mod tools;
 mod tools_http;
 mod ui;
 
+use cli::flags;
 use std::ffi::{c_char, c_int};
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
@@ -109,27 +109,16 @@ fn serve(
     }
     let max_queued = strata.max_queued().map_err(|e| anyhow::anyhow!(e))?;
     let cfg = params.to_json().context("reading parsed parameters")?;
-    let hosts: Vec<String> = cfg["hostnames"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|h| h.as_str().map(String::from)).collect())
-        .filter(|h: &Vec<String>| !h.is_empty())
-        .unwrap_or_else(|| vec!["127.0.0.1".into()]);
+    let conf = cli::config::ServerConfig::from_json(&cfg).map_err(|e| anyhow::anyhow!(e))?;
+    let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
     let gcp = gcp::Gcp::from_env();
-    let port = gcp.as_ref().and_then(|g| g.port).map_or(cfg["port"].as_i64().unwrap_or(8080), i64::from);
-    let model_path = PathBuf::from(cfg["model"].as_str().unwrap_or_default());
+    let port = gcp.as_ref().and_then(|g| g.port).map_or(conf.port, i64::from);
     if router::is_router(&cfg) {
         return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
     }
-    let model_alias = cfg["model_alias"]
-        .as_array()
-        .and_then(|a| a.first())
-        .and_then(|v| v.as_str())
-        .map(String::from)
-        .unwrap_or_else(|| model_path.to_string_lossy().into_owned());
-    let n_predict_default = cfg["n_predict"].as_i64().unwrap_or(-1) as i32;
-    let n_parallel = cfg["n_parallel"].as_u64().unwrap_or(1) as usize;
-    let kv_unified = cfg["kv_unified"].as_bool().unwrap_or(false);
-    let n_batch = cfg["n_batch"].as_u64().unwrap_or(2048) as usize;
+    let model_alias = conf.alias();
+    let n_parallel = usize::try_from(conf.n_parallel).unwrap_or(1).max(1);
+    let n_batch = usize::try_from(conf.n_batch).unwrap_or(0);
     // llama.cpp reserves one output per sequence but at most n_batch outputs: it would abort.
     if n_parallel > n_batch {
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
@@ -144,34 +133,28 @@ fn serve(
         for host in &hosts {
             listeners.push(Listener::bind(host, port as u16).await?);
         }
-        let sleep_idle = cfg["sleep_idle_seconds"].as_i64().filter(|&s| s > 0).map(|s| std::time::Duration::from_secs(s as u64));
         let engine = engine::spawn(engine::EngineConfig {
             params,
-            model_path,
+            model_path: conf.model.clone(),
             model_alias,
             n_parallel,
-            kv_unified,
-            n_predict_default,
-            sleep_idle,
-            ctx_shift: cfg["ctx_shift"].as_bool().unwrap_or(false),
+            kv_unified: conf.kv_unified,
+            n_predict_default: conf.n_predict,
+            sleep_idle: conf.sleep_idle(),
+            ctx_shift: conf.ctx_shift,
             experts,
             max_queued,
-            use_mmap: matches!(cfg["load_mode"].as_i64(), Some(-1 | 1 | 3)),
-            main_gpu: cfg["main_gpu"].as_u64().unwrap_or(0) as usize,
-            cache_ram_mib: cfg["cache_ram_mib"].as_i64().unwrap_or(0) as i32,
-            cache_idle_slots: cfg["cache_idle_slots"].as_bool().unwrap_or(false),
-            n_ctx_checkpoints: cfg["n_ctx_checkpoints"].as_u64().unwrap_or(0) as usize,
-            checkpoint_min_step: cfg["checkpoint_min_step"].as_u64().unwrap_or(0) as usize,
-            swa_full: cfg["swa_full"].as_bool().unwrap_or(false),
-            slot_prompt_similarity: cfg["slot_prompt_similarity"].as_f64().unwrap_or(0.1) as f32,
-            speculative: cfg["speculative"]["enabled"].as_bool().unwrap_or(false),
-            n_cache_reuse: cfg["n_cache_reuse"].as_i64().unwrap_or(0) as i32,
-            lora: cfg["lora_adapters"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|a| (PathBuf::from(a["path"].as_str().unwrap_or_default()), a["scale"].as_f64().unwrap_or(1.0) as f32))
-                .collect(),
+            use_mmap: conf.load_mode.maps_the_file(),
+            main_gpu: usize::try_from(conf.main_gpu).unwrap_or(0),
+            cache_ram_mib: conf.cache_ram_mib,
+            cache_idle_slots: conf.cache_idle_slots,
+            n_ctx_checkpoints: usize::try_from(conf.n_ctx_checkpoints).unwrap_or(0),
+            checkpoint_min_step: usize::try_from(conf.checkpoint_min_step).unwrap_or(0),
+            swa_full: conf.swa_full,
+            slot_prompt_similarity: conf.slot_prompt_similarity,
+            speculative: conf.speculative.enabled,
+            n_cache_reuse: conf.n_cache_reuse,
+            lora: conf.lora_adapters.iter().map(|a| (a.path.clone(), a.scale)).collect(),
         });
         for l in &listeners {
             strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));

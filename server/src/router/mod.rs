@@ -65,12 +65,12 @@ const PROXY_POST: &[&str] = &[
 const PROXY_GET: &[&str] = &["/metrics", "/lora-adapters", "/slots"];
 
 /// Strata's own flags (aliases are already llama.cpp flags), for an instance's command line.
-pub fn own_flag_args(strata: &crate::flags::StrataArgs) -> Vec<String> {
+pub fn own_flag_args(strata: &crate::cli::flags::StrataArgs) -> Vec<String> {
     let mut out = Vec::new();
     for (name, value) in &strata.values {
-        let Some(flag) = crate::flags::FLAGS.iter().find(|f| f.name == *name && f.maps_to.is_none()) else { continue };
+        let Some(flag) = crate::cli::flags::FLAGS.iter().find(|f| f.name == *name && f.maps_to.is_none()) else { continue };
         out.push(name.to_string());
-        if flag.kind != crate::flags::Kind::Switch {
+        if flag.kind != crate::cli::flags::Kind::Switch {
             out.push(value.clone());
         }
     }
