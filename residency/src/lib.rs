@@ -2,6 +2,8 @@
 //! tensors of a GGUF file, the ranked expert profile, and the memory guard that decides whether
 //! a RAM copy of the experts fits. Pure Rust, so each part is unit-tested and fuzzed alone.
 
+#![forbid(unsafe_code)]
+
 pub mod gguf;
 pub mod memguard;
 pub mod profile;

@@ -1,5 +1,7 @@
 //! strata-server: llama-server's command line and HTTP API over the pinned, patched llama.cpp.
 
+#![forbid(unsafe_code)]
+
 mod admission;
 mod agent;
 mod anthropic;
