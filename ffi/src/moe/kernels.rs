@@ -126,12 +126,19 @@ fn act(a: Activation, g: f32, u: f32, gated: bool) -> f32 {
     }
 }
 
+/// # Safety
+/// `dst` is a live custom-op tensor with at least `i + 1` sources; the reference lives no longer
+/// than the graph.
 unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
     // SAFETY: the caller built dst with at least i+1 sources.
     unsafe { &*(*dst).src[i] }
 }
 
 /// Source i when it is the upload op's ids (i32, made by [`upload`]), else None.
+///
+/// # Safety
+/// `dst` is a live custom-op tensor and `i < GGML_MAX_SRC`; the reference lives no longer than
+/// the graph.
 pub(crate) unsafe fn src_opt<'a>(dst: *mut sys::ggml_tensor, i: usize) -> Option<&'a sys::ggml_tensor> {
     // SAFETY: src entries are null or live tensors.
     let t = unsafe { (*dst).src[i].as_ref()? };
@@ -159,6 +166,9 @@ pub(crate) fn token_row(cur: &sys::ggml_tensor, t: usize, n_embd: usize) -> &[f3
 }
 
 /// The ids of a contiguous [n_used, n_tok] i32 tensor.
+///
+/// # Safety
+/// `sel` is a contiguous i32 tensor whose data lives as long as the returned slice is used.
 pub(crate) unsafe fn ids<'a>(sel: &sys::ggml_tensor) -> &'a [i32] {
     // SAFETY: the caller passes a contiguous i32 tensor.
     unsafe { std::slice::from_raw_parts(sel.data as *const i32, (sel.ne[0] * sel.ne[1]) as usize) }
@@ -268,6 +278,11 @@ pub(crate) fn weights(wt: &sys::ggml_tensor, out: &mut Vec<f32>) {
 /// Op A. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the upload op's ids
 /// when the step uploads (`--pcie-frac`), then the cold weight tensors (only used to place the
 /// op on the CPU; the kernel reads `LayerTiers::cold`).
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
@@ -291,6 +306,11 @@ pub(crate) unsafe extern "C" fn gate_up(dst: *mut sys::ggml_tensor, ith: i32, nt
 /// Op B. Sources: h [n_ff, n_used, n_tok] f32 from op A, sel [n_used, n_tok] i32, the routing
 /// weights [1, n_used, n_tok] (read only for the weighted form), the upload op's ids when the step uploads, the cold down tensor.
 /// Writes [n_embd, n_used, n_tok] or, for prompt batches, [n_embd, n_tok] (see the module doc).
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as in gate_up.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
@@ -309,6 +329,11 @@ pub(crate) unsafe extern "C" fn down(dst: *mut sys::ggml_tensor, ith: i32, nth: 
 }
 
 /// Counts the selections of a step whose cold experts are computed elsewhere (prompt batches).
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn count(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     if ith != 0 {
         return;
@@ -327,6 +352,11 @@ pub(crate) unsafe extern "C" fn count(dst: *mut sys::ggml_tensor, ith: i32, _nth
 /// selections (at most one per staging slot, distinct experts), copies those experts into the
 /// device's staging slots and writes dst [n_used, n_tok] i32: the staging slot of each uploaded
 /// selection, else the zero pad of its position. The CPU kernels then skip the uploaded ones.
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn upload(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     if ith != 0 {
         return;

@@ -215,6 +215,9 @@ fn worker(s: &Shared) {
     }
 }
 
+/// # Safety
+/// `dst` is a live custom-op tensor with at least `i + 1` sources; the reference lives no longer
+/// than the graph.
 unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
     // SAFETY: the caller built dst with at least i+1 sources.
     unsafe { &*(*dst).src[i] }
@@ -224,6 +227,11 @@ unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor 
 /// weights [1, n_used, n_tok] (read only for the weighted form), the upload op's ids when the step uploads (`--pcie-frac`), then
 /// the cold weight tensors (they place the op on the CPU).
 /// Writes one f32 (the join's dependency).
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     // ggml calls a custom op on every thread of the graph; one launches.
     if ith != 0 {
@@ -304,6 +312,11 @@ fn finish(pool: &Pool, out: *mut f32) {
 }
 
 /// The join op. Source: the launch op's output. Writes op B's output (kernels.rs).
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, _userdata: *mut c_void) {
     if ith != 0 {
         return;
@@ -317,6 +330,11 @@ pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth:
 /// a pool, else on the calling thread. Sources: cur, sel, the routing weights (as `launch`).
 /// The GPU backend runs it as a host op in stream order (patches/0002), so that the layer stays
 /// one device split; elsewhere it is an ordinary one-task CPU op.
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn step(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     if ith != 0 {
         return;

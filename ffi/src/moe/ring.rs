@@ -769,6 +769,11 @@ fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Stagin
 /// cold host tensor (it places the op on the CPU). Writes dst [n_used, n_tok] i32: each
 /// selection's slot in the layer's window: its hot slot, its ring slot, or (a cold expert the
 /// half had no room for) the zero pad of its position, which the CPU part computes instead.
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn fill(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
     // SAFETY: as fill_only.
     unsafe { fill_only(dst, ith, nth, userdata) };
@@ -779,6 +784,11 @@ pub(crate) unsafe extern "C" fn fill(dst: *mut sys::ggml_tensor, ith: i32, nth: 
 }
 
 /// [`fill`] without counting the selections, for graphs whose CPU part counts them.
+///
+/// # Safety
+/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
+/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
+/// unwind through ggml's C frames).
 pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
     if ith != 0 {
         return;
