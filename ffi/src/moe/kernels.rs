@@ -129,7 +129,7 @@ fn act(a: Activation, g: f32, u: f32, gated: bool) -> f32 {
 /// # Safety
 /// `dst` is a live custom-op tensor with at least `i + 1` sources; the reference lives no longer
 /// than the graph.
-unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
+pub(crate) unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
     // SAFETY: the caller built dst with at least i+1 sources.
     unsafe { &*(*dst).src[i] }
 }

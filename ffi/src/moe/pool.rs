@@ -21,7 +21,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::kernels::{cold_items, down_rows, gate_up_rows, ids, src_opt, tally, token_row, uploaded, weighted_output, weights};
+use super::kernels::{cold_items, down_rows, gate_up_rows, ids, src, src_opt, tally, token_row, uploaded, weighted_output, weights};
 use super::LayerTiers;
 use crate::sys;
 
@@ -213,14 +213,6 @@ fn worker(s: &Shared) {
             s.work(gen, 1);
         }
     }
-}
-
-/// # Safety
-/// `dst` is a live custom-op tensor with at least `i + 1` sources; the reference lives no longer
-/// than the graph.
-unsafe fn src<'a>(dst: *mut sys::ggml_tensor, i: usize) -> &'a sys::ggml_tensor {
-    // SAFETY: the caller built dst with at least i+1 sources.
-    unsafe { &*(*dst).src[i] }
 }
 
 /// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
