@@ -31,6 +31,13 @@ impl ContextParams {
         self.raw.n_threads_batch = n;
         self
     }
+
+    /// Runs every node on its own and writes per-op times of each large batch to `path`
+    /// (diagnostics: it disables kernel fusion and adds a synchronisation per node).
+    pub fn with_op_profile(mut self, path: &std::path::Path) -> std::io::Result<Self> {
+        crate::op_profile::install(&mut self.raw, path)?;
+        Ok(self)
+    }
 }
 
 impl Default for ContextParams {
@@ -81,8 +88,12 @@ impl<'m> Context<'m> {
     }
 
     pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
+        let t0 = std::time::Instant::now();
+        crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
-        DecodeError::check(unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) })
+        let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
+        crate::op_profile::batch_end(batch.raw().n_tokens, t0.elapsed());
+        DecodeError::check(rc)
     }
 
     /// Logits of the i-th output of the last decode (negative i counts from the end).

@@ -17,6 +17,7 @@ pub mod hooks;
 mod lora;
 mod model;
 pub mod moe;
+mod op_profile;
 mod params;
 mod router;
 mod sampler;

@@ -565,7 +565,7 @@ fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<
     let mut woken_by: Option<Job> = None;
     let mut placed = false;
     loop {
-        let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, p)) {
+        let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, with_op_profile(p))) {
             Ok(c) => c,
             Err(e) => {
                 let _ = state.send(State::Failed(e.to_string()));
@@ -2243,6 +2243,18 @@ impl<'m> Engine<'m> {
         }
         let _ = a.task.events.send(Event::Final(Box::new(fin)));
         false
+    }
+}
+
+/// STRATA_OP_PROFILE=FILE: per-op times of each prompt batch (diagnostics; runs the graph node by node).
+fn with_op_profile(p: strata_ffi::ContextParams) -> strata_ffi::ContextParams {
+    let Some(path) = std::env::var_os("STRATA_OP_PROFILE") else { return p };
+    match p.with_op_profile(std::path::Path::new(&path)) {
+        Ok(p) => p,
+        Err(e) => {
+            strata_ffi::log(strata_ffi::Verbosity::Warn, &format!("STRATA_OP_PROFILE: cannot write {}: {e}\n", path.to_string_lossy()));
+            p
+        }
     }
 }
 

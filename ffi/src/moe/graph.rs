@@ -15,13 +15,23 @@ const FLAT_MAX_COLUMNS: i64 = 32768;
 struct G<'a> {
     ctx: *mut sys::ggml_context,
     args: &'a sys::strata_moe_experts_args,
+    layer: i32,
 }
 
 impl G<'_> {
+    /// Names a node "{what}-{layer}" as llama.cpp names its own, so per-layer tools can group it.
+    fn named(&self, t: T, what: &str) -> T {
+        if let Ok(name) = std::ffi::CString::new(format!("{what}-{}", self.layer)) {
+            // SAFETY: t is a live graph tensor; ggml copies the name into the tensor.
+            unsafe { sys::ggml_set_name(t, name.as_ptr()) };
+        }
+        t
+    }
+
     /// mul_mat_id over `mats` with `ids`, the activation, then down: [n_embd, n_used, n_tok].
     /// With `flat`, each (token, slot) pair becomes a column of its own with one expert, so an
     /// id repeated within a token (the pad, a stand-in) stays legal for grouped GPU kernels.
-    fn ffn(&self, mats: &Mats<T>, ids: T, act: Activation, flat: bool) -> Option<T> {
+    fn ffn(&self, tier: &str, mats: &Mats<T>, ids: T, act: Activation, flat: bool) -> Option<T> {
         let (ctx, cur) = (self.ctx, self.args.cur);
         // SAFETY: ctx is the graph context; all tensors are live graph or weight tensors of
         // matching shapes (the same shapes llama.cpp would use for this layer); reshapes are of
@@ -36,7 +46,7 @@ impl G<'_> {
                 (cur, ids)
             };
             let mm = |w: T, x: T| {
-                let y = sys::ggml_mul_mat_id(ctx, w, x, ids);
+                let y = self.named(sys::ggml_mul_mat_id(ctx, w, x, ids), tier);
                 if flat {
                     sys::ggml_reshape_3d(ctx, y, (*y).ne[0], n_used, n_tok)
                 } else {
@@ -61,6 +71,7 @@ impl G<'_> {
                 (None, Activation::Gelu) => sys::ggml_gelu(ctx, up),
                 (None, Activation::Relu) => sys::ggml_relu(ctx, up),
             };
+            let h = self.named(h, &format!("{tier}_act"));
             let h = if flat { sys::ggml_reshape_3d(ctx, h, (*h).ne[0], 1, n_used * n_tok) } else { h };
             Some(mm(mats.down?, h))
         }
@@ -128,7 +139,7 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
-    let g = G { ctx: args.ctx, args };
+    let g = G { ctx: args.ctx, args, layer: lt.layer };
     // SAFETY: args come from llama.cpp's build_moe_ffn and are live for this call.
     let (n_embd, n_tok) = unsafe { ((*args.cur).ne[0], (*args.cur).ne[2]) };
     let n_used = args.n_expert_used;
@@ -140,7 +151,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let count = || {
         let mut srcs = vec![sel];
         srcs.extend(host_cold_weight(lt));
-        let c = g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt);
+        let c = g.named(g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt), "strata_count");
         g.expand(c);
     };
     if lt.count_only || n_used as usize != lt.n_used {
@@ -154,29 +165,30 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let mut srcs = vec![sel];
         srcs.extend(host_cold_weight(lt));
         let fill = if overflow { ring::fill_only } else { ring::fill };
-        let ids = g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(fill), 1, lt);
+        let ids = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(fill), 1, lt), "strata_ring_fill");
         g.expand(ids);
         let cold_srcs = [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
         let ticket = (overflow && lt.cold_threads > 0).then(|| {
             let mut srcs = vec![args.cur, sel, args.weights, ids];
             srcs.extend(cold_srcs.clone());
-            let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
+            let t = g.named(g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt), "strata_pool_launch");
             g.expand(t);
             t
         });
-        let experts = g.ffn(lt.window.as_ref()?, ids, act, false)?;
+        let experts = g.ffn("strata_ring_mm", lt.window.as_ref()?, ids, act, false)?;
         g.expand(experts);
         let out = weighted_sum(&g, experts, n_embd, n_tok, n_used);
         let cold_sum = match (overflow, ticket) {
             (false, _) => None,
-            (true, Some(t)) => Some(g.custom([n_embd, n_tok, 1], &mut [t], Some(pool::join), 1, lt)),
+            (true, Some(t)) => Some(g.named(g.custom([n_embd, n_tok, 1], &mut [t], Some(pool::join), 1, lt), "strata_pool_join")),
             (true, None) => {
                 let mut a_srcs = vec![args.cur, sel, ids];
                 a_srcs.extend(cold_srcs);
-                let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
+                let h =
+                    g.named(g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt), "strata_cpu_gate_up");
                 let mut b_srcs = vec![h, sel, args.weights, ids];
                 b_srcs.extend(lt.cold_tensors.down);
-                Some(g.custom([n_embd, n_tok, 1], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
+                Some(g.named(g.custom([n_embd, n_tok, 1], &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt), "strata_cpu_down"))
             }
         };
         return NonNull::new(match cold_sum {
@@ -200,7 +212,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let upload_ids = lt.staging.as_ref().filter(|_| cold_cpu && !prompt && lt.pcie_frac > 0.0).map(|_| {
         let mut srcs = vec![sel];
         srcs.extend(lt.cold_tensors.down);
-        let u = g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(kernels::upload), 1, lt);
+        let u = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(kernels::upload), 1, lt), "strata_upload");
         g.expand(u);
         u
     });
@@ -211,17 +223,17 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let mut srcs = vec![args.cur, sel, cpu_weights];
         srcs.extend(upload_ids);
         srcs.extend(cold_srcs());
-        let t = g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt);
+        let t = g.named(g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt), "strata_pool_launch");
         g.expand(t);
         t
     });
     let down_hot = lt.hot.as_ref().and_then(|hot| {
-        let d = g.ffn(&hot.mats, g.remap_positions(hot.map, sel), act, false)?;
+        let d = g.ffn("strata_hot_mm", &hot.mats, g.remap_positions(hot.map, sel), act, false)?;
         g.expand(d);
         Some(d)
     });
     let down_staged = upload_ids.zip(lt.staging.as_ref()).and_then(|(ids, st)| {
-        let d = g.ffn(&st.mats, ids, act, false)?;
+        let d = g.ffn("strata_staged_mm", &st.mats, ids, act, false)?;
         g.expand(d);
         Some(d)
     });
@@ -234,7 +246,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let down_cold = match lt.cold_map {
         Some(map) if lt.n_cold > 0 && !cold_cpu => {
             count();
-            let c = g.ffn(&lt.cold_tensors, g.remap(map, sel), act, n_tok >= lt.flat_from)?;
+            let c = g.ffn("strata_cold_mm", &lt.cold_tensors, g.remap(map, sel), act, n_tok >= lt.flat_from)?;
             Some(match lt.cold_mask {
                 // SAFETY: mask is [1, n_expert] f32; the product broadcasts over n_embd.
                 Some(mask) => unsafe {
@@ -255,18 +267,18 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         None
     } else if host_step {
         // No cold weight among the sources: the op goes where its inputs are.
-        Some(g.custom(cold_ne, &mut [args.cur, sel, cpu_weights], Some(pool::step), 1, lt))
+        Some(g.named(g.custom(cold_ne, &mut [args.cur, sel, cpu_weights], Some(pool::step), 1, lt), "strata_pool_step"))
     } else if let Some(t) = ticket {
-        Some(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt))
+        Some(g.named(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt), "strata_pool_join"))
     } else {
         let mut a_srcs = vec![args.cur, sel];
         a_srcs.extend(upload_ids);
         a_srcs.extend(cold_srcs());
-        let h = g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt);
+        let h = g.named(g.custom([lt.n_ff as i64, n_used, n_tok], &mut a_srcs, Some(kernels::gate_up), sys::GGML_N_TASKS_MAX, lt), "strata_cpu_gate_up");
         let mut b_srcs = vec![h, sel, cpu_weights];
         b_srcs.extend(upload_ids);
         b_srcs.extend(lt.cold_tensors.down);
-        Some(g.custom(cold_ne, &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt))
+        Some(g.named(g.custom(cold_ne, &mut b_srcs, Some(kernels::down), sys::GGML_N_TASKS_MAX, lt), "strata_cpu_down"))
     };
     let (down_cold, cold_sum) = if weighted_cold { (down_cold, cold_cpu_out) } else { (down_cold.or(cold_cpu_out), None) };
     let experts = match (down_hot, down_cold) {
@@ -288,7 +300,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
 fn weighted_sum(g: &G<'_>, experts: T, n_embd: i64, n_tok: i64, n_used: i64) -> T {
     // SAFETY: graph tensors of matching shapes; the sum mirrors llama.cpp's build_moe_ffn.
     unsafe {
-        let experts = sys::ggml_mul(g.ctx, experts, g.args.weights);
+        let experts = g.named(sys::ggml_mul(g.ctx, experts, g.args.weights), "strata_weighted");
         g.expand(experts);
         let view = |i: i64| sys::ggml_view_2d(g.ctx, experts, n_embd, n_tok, (*experts).nb[2], i as usize * (*experts).nb[1]);
         let views: Vec<T> = (0..n_used).map(view).collect();
@@ -297,7 +309,7 @@ fn weighted_sum(g: &G<'_>, experts: T, n_embd: i64, n_tok: i64, n_used: i64) -> 
         }
         let mut out = views[0];
         for &v in &views[1..] {
-            out = sys::ggml_add(g.ctx, out, v);
+            out = g.named(sys::ggml_add(g.ctx, out, v), "strata_wsum");
             g.expand(out);
         }
         if n_used == 1 {

@@ -174,6 +174,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_OP_PROFILE",
+        help: "write per-op times of each prompt batch to FILE (diagnostics: runs the graph node by node, without kernel fusion)",
+        effect: Effect::Active,
+    },
+    EnvVar {
         name: "STRATA_RING_EMULATE",
         help: "1 = build the prefill ring on the CPU (host windows, memcpy copies; for tests without a GPU)",
         effect: Effect::Experts,
