@@ -806,6 +806,32 @@ pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, 
         crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
         std::process::abort();
     }
+    // The window's mul_mat_ids run next (a later split of this graph, on this thread): tell the
+    // backend how little of the window this batch uses (patches/0004).
+    let (cols, n_as) = bounds(out);
+    if let Some(w) = lt.window.as_ref() {
+        for t in w.iter() {
+            // SAFETY: the window tensors are the layer's own, alive while it is; nothing else writes
+            // their op_params, and the graph that reads them runs on this thread after this op.
+            unsafe {
+                (*t).op_params[0] = cols;
+                (*t).op_params[1] = n_as;
+            }
+        }
+    }
+}
+
+/// The bounds of a batch's window slots for the backend: the selections of the most used slot,
+/// and one past the largest slot.
+pub(crate) fn bounds(slots: &[i32]) -> (i32, i32) {
+    let n_as = slots.iter().copied().max().map_or(0, |m| m + 1).max(0);
+    let mut counts = vec![0i32; n_as as usize];
+    for &s in slots {
+        if let Ok(s) = usize::try_from(s) {
+            counts[s] += 1;
+        }
+    }
+    (counts.into_iter().max().unwrap_or(0), n_as)
 }
 
 /// Measures the CPU's cold (token, expert) pair rate on one thread with `n` cold experts of
@@ -830,6 +856,13 @@ pub(crate) fn measure_cpu(lt: &LayerTiers, n: usize) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bounds_are_the_busiest_slot_and_one_past_the_largest() {
+        assert_eq!(bounds(&[3, 0, 3, 7, 3, 0]), (3, 8));
+        assert_eq!(bounds(&[5]), (1, 6));
+        assert_eq!(bounds(&[]), (0, 0));
+    }
 
     #[test]
     fn a_half_takes_what_fits_and_refuses_more() {
