@@ -22,6 +22,8 @@ struct Profile {
     by_op: HashMap<(String, String), (f64, u32)>,
     /// layer -> µs.
     by_layer: HashMap<i32, f64>,
+    /// (layer, tensor name) -> µs of the expert matmuls, which differ most between placements.
+    mm_by_layer: HashMap<(i32, String), f64>,
     unlayered_us: f64,
 }
 
@@ -30,7 +32,8 @@ static PROFILE: Mutex<Option<Profile>> = Mutex::new(None);
 /// Opens FILE and installs the callback into `params` (so the context built from them runs node by node).
 pub(crate) fn install(raw: &mut sys::llama_context_params, path: &std::path::Path) -> std::io::Result<()> {
     let file = std::fs::File::create(path)?;
-    *PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Profile { file, last: None, by_op: HashMap::new(), by_layer: HashMap::new(), unlayered_us: 0.0 });
+    *PROFILE.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some(Profile { file, last: None, by_op: HashMap::new(), by_layer: HashMap::new(), mm_by_layer: HashMap::new(), unlayered_us: 0.0 });
     raw.cb_eval = Some(on_node);
     raw.cb_eval_user_data = std::ptr::null_mut();
     Ok(())
@@ -49,6 +52,7 @@ pub(crate) fn batch_end(n_tokens: i32, total: std::time::Duration) {
     let Some(p) = guard.as_mut() else { return };
     let by_op = std::mem::take(&mut p.by_op);
     let by_layer = std::mem::take(&mut p.by_layer);
+    let mm_by_layer = std::mem::take(&mut p.mm_by_layer);
     let unlayered = std::mem::replace(&mut p.unlayered_us, 0.0);
     p.last = None;
     if n_tokens < MIN_TOKENS {
@@ -58,12 +62,15 @@ pub(crate) fn batch_end(n_tokens: i32, total: std::time::Duration) {
     ops.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
     let mut layers: Vec<_> = by_layer.into_iter().collect();
     layers.sort_by_key(|l| l.0);
+    let mut mm: Vec<_> = mm_by_layer.into_iter().collect();
+    mm.sort_by(|a, b| a.0.cmp(&b.0));
     let line = serde_json::json!({
         "tokens": n_tokens,
         "decode_us": total.as_secs_f64() * 1e6,
         "unlayered_us": unlayered,
         "ops": ops.iter().map(|((op, name), (us, n))| serde_json::json!({"op": op, "name": name, "us": us, "nodes": n})).collect::<Vec<_>>(),
         "layers": layers.iter().map(|(l, us)| serde_json::json!([l, us])).collect::<Vec<_>>(),
+        "mul_mat_id_by_layer": mm.iter().map(|((l, name), us)| serde_json::json!([l, name, us])).collect::<Vec<_>>(),
     });
     let _ = writeln!(p.file, "{line}");
 }
@@ -100,6 +107,10 @@ unsafe extern "C" fn on_node(t: *mut sys::ggml_tensor, ask: bool, _user: *mut c_
     match layer {
         Some(l) => *p.by_layer.entry(l).or_insert(0.0) += us,
         None => p.unlayered_us += us,
+    }
+    // SAFETY: as above.
+    if let (Some(l), true) = (layer, unsafe { (*t).op } == sys::GGML_OP_MUL_MAT_ID) {
+        *p.mm_by_layer.entry((l, base.to_owned())).or_insert(0.0) += us;
     }
     true
 }

@@ -528,11 +528,12 @@ impl Ring {
     /// The fill step of ring layer `i` for a batch routed as `sel` ([n_used, n_tok]): places the
     /// used cold experts in the layer's half (waiting for its prefetch, copying what it missed),
     /// writes each selection's window slot into `out`, then prefetches the next layer's likely
-    /// experts into the other half. False if a copy failed (out is then unusable).
-    pub(crate) fn fill(&self, i: usize, sel: &[i32], out: &mut [i32]) -> bool {
+    /// experts into the other half. Returns the slots' [`bounds`], or None if a copy failed (out
+    /// is then unusable).
+    pub(crate) fn fill(&self, i: usize, sel: &[i32], out: &mut [i32]) -> Option<(i32, i32)> {
         let started = Instant::now();
         let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let Some(rl) = layers.get(i) else { return false };
+        let rl = layers.get(i)?;
         let n = layers.len();
         let h = i % 2;
         let mut counts = vec![0u32; rl.cold_rows.len()];
@@ -569,7 +570,7 @@ impl Ring {
                 st.slots.invalidate(h);
             }
         }
-        let Some(placed) = st.slots.place(h, i, &used) else { return false };
+        let placed = st.slots.place(h, i, &used)?;
         let pieces = self.pieces(rl, h, &placed.copies);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
         let copy_at = Instant::now();
@@ -577,7 +578,7 @@ impl Ring {
         let copied_at = Instant::now();
         if !ok {
             st.slots.invalidate(h);
-            return false;
+            return None;
         }
         st.batch_bytes += bytes;
         self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -621,10 +622,11 @@ impl Ring {
             st.pending[j % 2] = Some(self.submit(pieces, j % 2));
         }
         self.stats.h2d_bytes_last_batch.store(st.batch_bytes, Ordering::Relaxed);
+        let (cols, n_as) = bounds(out);
         if let Some(trace) = self.trace.as_ref() {
             let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
             let line = format!(
-                "{{\"layer\":{i},\"n_tok\":{},\"since_prev_ms\":{},\"prefetch_wait_ms\":{:.3},\"missing_copy_ms\":{:.3},\"fill_ms\":{:.3},\"used_cold\":{},\"hits\":{},\"copied\":{},\"bytes\":{bytes}}}\n",
+                "{{\"layer\":{i},\"n_tok\":{},\"since_prev_ms\":{},\"prefetch_wait_ms\":{:.3},\"missing_copy_ms\":{:.3},\"fill_ms\":{:.3},\"used_cold\":{},\"hits\":{},\"copied\":{},\"bytes\":{bytes},\"max_cols\":{cols},\"n_as\":{n_as}}}\n",
                 sel.len() / rl.n_used.max(1),
                 layer_s.map_or("null".into(), |t| format!("{:.3}", t * 1e3)),
                 ms(wait_at, copy_at),
@@ -636,7 +638,7 @@ impl Ring {
             );
             let _ = std::io::Write::write_all(&mut *trace.lock().unwrap_or_else(|e| e.into_inner()), line.as_bytes());
         }
-        out.iter().all(|&s| s >= 0)
+        out.iter().all(|&s| s >= 0).then_some((cols, n_as))
     }
 
     /// Copies cold rows into other device tensors (`--pcie-frac` staging slots) through the
@@ -801,14 +803,13 @@ pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, 
         (kernels::ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
     };
     let Some((ring, i)) = lt.ring.as_ref() else { return };
-    if !ring.fill(*i, sel, out) {
+    let Some((cols, n_as)) = ring.fill(*i, sel, out) else {
         // A failed copy cannot be recovered inside a graph; the layer's result would be wrong.
         crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
         std::process::abort();
-    }
+    };
     // The window's mul_mat_ids run next (a later split of this graph, on this thread): tell the
     // backend how little of the window this batch uses (patches/0004).
-    let (cols, n_as) = bounds(out);
     if let Some(w) = lt.window.as_ref() {
         for t in w.iter() {
             // SAFETY: the window tensors are the layer's own, alive while it is; nothing else writes
