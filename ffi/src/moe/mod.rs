@@ -733,11 +733,11 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         // SAFETY: t is a live 3-d model tensor.
         let nb2 = unsafe { (*t).nb[2] };
         let head = head_slots * nb2;
-        let ring_bytes = r.ring_bytes(m).unwrap_or(2 * half * nb2);
+        let ring_bytes = r.ring_bytes(m).unwrap_or(half * nb2);
         // A device ring has a spare slot (Ring::new_device) that covers the row padding quantized
         // tensors are allocated with; the slots the window addresses stop before it.
-        let ring_slots = if r.emulated { 2 * half } else { ring_bytes / nb2 - 1 };
-        let Some(mem) = r.window(m, head, ring_bytes) else {
+        let ring_slots = if r.emulated { half } else { ring_bytes / nb2 - 1 };
+        let Some(mem) = r.window(m, r.next_index(), head, ring_bytes) else {
             err = Some(PlaceError::Alloc {
                 what: format!("layer {il} expert window"),
                 bytes: (head + ring_bytes) as u64,

@@ -3,10 +3,12 @@
 //! slots and the ring together (docs/prefill-ring.md).
 //!
 //! Each tiered layer's hot experts live in a *window* (patches/0003): its own device memory
-//! followed by the ring, mapped into one virtual range, so `[hot | pads | ring]` is one tensor
-//! and the unchanged GPU kernels see an ordinary expert tensor. The ring has two halves; tiered
-//! layers take them in turn, so while one layer computes from its half, the copies of the next
-//! layer's likely experts fill the other (a prefetch issued when the layer's routing is known).
+//! followed by one half of the ring, mapped into one virtual range, so `[hot | pads | half]` is
+//! one tensor and the unchanged GPU kernels see an ordinary expert tensor. The two halves are
+//! separate allocations; tiered layers take them in turn, so while one layer computes from its
+//! half, the copies of the next layer's likely experts fill the other (a prefetch issued when the
+//! layer's routing is known). A window maps only its own half because the backend's grid spans
+//! every expert of the tensor.
 //! The copies run on a copy stream from a page-locked source: the page-locked RAM copy itself,
 //! or one reusable page-locked staging buffer that a copier thread gathers pageable experts into.
 //!
@@ -328,8 +330,9 @@ pub(crate) struct RingLayer {
 pub(crate) struct Ring {
     copier: Copier,
     pub half: usize,
-    /// Ring allocations per matrix kind (device only).
-    handles: Vec<*mut c_void>,
+    /// Ring allocations per matrix kind and half (device only): a layer's window maps only the
+    /// half it takes, so its expert count, which the backend's grid spans, holds one half.
+    handles: Vec<[*mut c_void; 2]>,
     fns: Option<Fns>,
     state: Mutex<State>,
     tx: Mutex<Option<mpsc::Sender<Job>>>,
@@ -363,7 +366,7 @@ impl Drop for Ring {
             tx.take();
         }
         if let Some(f) = self.fns {
-            for &h in &self.handles {
+            for &h in self.handles.iter().flatten() {
                 // SAFETY: created by ring_new, freed once.
                 unsafe { (f.ring_free)(h) };
             }
@@ -386,22 +389,26 @@ impl Ring {
     pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool) -> Option<Arc<Self>> {
         let fns = Fns::load(dev)?;
         let idx = device_index(dev);
-        let mut handles = Vec::new();
+        let mut handles: Vec<[*mut c_void; 2]> = Vec::new();
+        let free_all = |handles: &[[*mut c_void; 2]]| {
+            for &h in handles.iter().flatten().filter(|h| !h.is_null()) {
+                // SAFETY: created by ring_new, freed once.
+                unsafe { (fns.ring_free)(h) };
+            }
+        };
         for &nb2 in max_nb2 {
             // SAFETY: valid device index; size > 0.
-            // One slot more than the halves: the window tensor leaves it for the backend's row padding.
-            let h = unsafe { (fns.ring_new)(idx, (2 * half + 1) * nb2) };
-            if h.is_null() {
-                for &h in &handles {
-                    // SAFETY: created above.
-                    unsafe { (fns.ring_free)(h) };
-                }
+            // One slot more than a half: the window tensor leaves it for the backend's row padding.
+            let pair = [0, 1].map(|_| unsafe { (fns.ring_new)(idx, (half + 1) * nb2) });
+            let failed = pair.iter().any(|h| h.is_null());
+            handles.push(pair);
+            if failed {
+                free_all(&handles);
                 return None;
             }
-            handles.push(h);
         }
         // SAFETY: live handles.
-        let bytes = handles.iter().map(|&h| unsafe { (fns.ring_size)(h) }).sum();
+        let bytes = handles.iter().flatten().map(|&h| unsafe { (fns.ring_size)(h) }).sum();
         Some(Self::with(Copier::Device { fns, dev: idx }, half, handles, Some(fns), pinned_src, false, bytes))
     }
 
@@ -410,7 +417,7 @@ impl Ring {
         Self::with(Copier::Host, half, Vec::new(), None, pinned_src, true, 0)
     }
 
-    fn with(copier: Copier, half: usize, handles: Vec<*mut c_void>, fns: Option<Fns>, pinned_src: bool, emulated: bool, bytes: usize) -> Arc<Self> {
+    fn with(copier: Copier, half: usize, handles: Vec<[*mut c_void; 2]>, fns: Option<Fns>, pinned_src: bool, emulated: bool, bytes: usize) -> Arc<Self> {
         Arc::new(Self {
             copier,
             half,
@@ -428,10 +435,11 @@ impl Ring {
         })
     }
 
-    /// The window of a layer whose hot part takes `head` bytes of matrix kind `m`.
-    pub(crate) fn window(&self, m: usize, head: usize, ring_bytes_emulated: usize) -> Option<WindowMem> {
-        match (self.fns, self.handles.get(m)) {
-            (Some(f), Some(&h)) => {
+    /// The window of the ring layer that takes half `h`, whose hot part takes `head` bytes of
+    /// matrix kind `m`.
+    pub(crate) fn window(&self, m: usize, h: usize, head: usize, ring_bytes_emulated: usize) -> Option<WindowMem> {
+        match (self.fns, self.handles.get(m).map(|pair| pair[h % 2])) {
+            (Some(f), Some(h)) => {
                 // SAFETY: live ring handle.
                 let b = unsafe { (f.window_new)(h, head) };
                 (!b.is_null()).then_some(WindowMem::Device(b))
@@ -447,11 +455,16 @@ impl Ring {
         }
     }
 
-    /// Ring bytes per matrix kind, as allocated (device rings round up to the granularity).
+    /// Bytes of one half's ring per matrix kind, as allocated (device rings round up to the granularity).
     pub(crate) fn ring_bytes(&self, m: usize) -> Option<usize> {
         let f = self.fns?;
         // SAFETY: live handle.
-        self.handles.get(m).map(|&h| unsafe { (f.ring_size)(h) })
+        self.handles.get(m).map(|pair| unsafe { (f.ring_size)(pair[0]) })
+    }
+
+    /// The ring index the next registered layer gets (its half is the index modulo 2).
+    pub(crate) fn next_index(&self) -> usize {
+        self.layers.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// The first ring slot of ring layer `i`'s window.
@@ -514,12 +527,12 @@ impl Ring {
         done
     }
 
-    fn pieces(&self, rl: &RingLayer, h: usize, copies: &[(i32, usize)]) -> Vec<Piece> {
+    fn pieces(&self, rl: &RingLayer, copies: &[(i32, usize)]) -> Vec<Piece> {
         let mut out = Vec::with_capacity(copies.len() * rl.src.len());
         for &(e, s) in copies {
             let Some(row) = usize::try_from(e).ok().and_then(|e| rl.cold_rows.get(e)).and_then(|&r| usize::try_from(r).ok()) else { continue };
             for ((&(src, nb2), &dst), _) in rl.src.iter().zip(&rl.dst).zip(0..) {
-                out.push(Piece { dst: dst + (h * self.half + s) * nb2, src: src + row * nb2, bytes: nb2 });
+                out.push(Piece { dst: dst + s * nb2, src: src + row * nb2, bytes: nb2 });
             }
         }
         out
@@ -571,7 +584,7 @@ impl Ring {
             }
         }
         let placed = st.slots.place(h, i, &used)?;
-        let pieces = self.pieces(rl, h, &placed.copies);
+        let pieces = self.pieces(rl, &placed.copies);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
         let copy_at = Instant::now();
         let (ok, _) = self.submit(pieces, h).wait();
@@ -587,7 +600,7 @@ impl Ring {
         self.stats.fills.fetch_add(placed.copies.len() as u64, Ordering::Relaxed);
         let mut slot = vec![-1i32; rl.cold_rows.len()];
         for (e, s) in placed.slot_of {
-            slot[e as usize] = (rl.first_slot + h * self.half + s) as i32;
+            slot[e as usize] = (rl.first_slot + s) as i32;
         }
         let pads = rl.first_slot - rl.n_used;
         for (k, (o, &e)) in out.iter_mut().zip(sel).enumerate() {
@@ -614,7 +627,7 @@ impl Ring {
             };
             let likely = layers[j].likely_cold(draws, budget);
             let copies = st.slots.prefetch(j % 2, j, &likely);
-            let pieces = self.pieces(&layers[j], j % 2, &copies);
+            let pieces = self.pieces(&layers[j], &copies);
             let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
             st.batch_bytes += b;
             self.stats.h2d_bytes.fetch_add(b, Ordering::Relaxed);
@@ -671,7 +684,7 @@ impl Ring {
             return None;
         }
         let copies: Vec<(i32, usize)> = cold.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-        let pieces = self.pieces(rl, 0, &copies);
+        let pieces = self.pieces(rl, &copies);
         let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
         // One warm-up, then the timed copy.
         self.submit(pieces.clone(), 0).wait();
