@@ -43,6 +43,9 @@ pub struct ExpertConfig {
     pub hot_tier: bool,
     /// STRATA_PREFILL_RING: slots of the prefill ring (None: sized automatically; 0: off).
     pub ring_slots: Option<usize>,
+    /// STRATA_MEMGUARD_ROOT: where the memory guard reads /proc and the cgroup files.
+    pub memguard_root: PathBuf,
+    pub switches: moe::Switches,
 }
 
 fn value<'a>(a: &'a StrataArgs, name: &str) -> Option<&'a str> {
@@ -86,6 +89,13 @@ impl ExpertConfig {
             },
             record: value(a, "--expert-profile-out").map(PathBuf::from),
             hot_tier,
+            memguard_root: std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from),
+            switches: moe::Switches {
+                flat_ids: std::env::var("STRATA_MOE_FLAT_IDS").as_deref() == Ok("1"),
+                host_op: std::env::var("STRATA_MOE_HOST_OP").as_deref() == Ok("1"),
+                emulate_ring: std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1"),
+                ring_trace: std::env::var_os("STRATA_RING_TRACE").filter(|v| !v.is_empty()).map(PathBuf::from),
+            },
         };
         if !(0.0..=1.0).contains(&cfg.pcie_frac) {
             return Err(format!("error while handling argument \"--pcie-frac\": {} is not between 0 and 1", cfg.pcie_frac));
@@ -223,8 +233,7 @@ const WINDOW_SLACK: u64 = 2 << 20;
 /// half sends every prompt batch's hidden state to the CPU and back, whether or not it overflows.
 fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>) -> usize {
     let cfg = &p.cfg;
-    let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
-    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || emulate) {
+    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || cfg.switches.emulate_ring) {
         return 0;
     }
     let expert_bytes = p.layout.layers.iter().map(|l| l.expert_bytes()).max().unwrap_or(0);
@@ -327,10 +336,10 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
                 (u64::from(p.layout.n_expert) - n_hot + 1) * l.expert_bytes()
             })
             .sum();
-        let root = std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from);
+        let root = &cfg.memguard_root;
         let kind = if cfg.pinned { CopyKind::PageLocked } else { CopyKind::Pageable };
         let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
-        let report = memguard::measure(&root).map_err(|e| format!("{flag}: {e}"))?;
+        let report = memguard::measure(root).map_err(|e| format!("{flag}: {e}"))?;
         report.admit(bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
@@ -346,6 +355,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         cold_share,
         pcie_frac: cfg.pcie_frac,
         ring_half,
+        switches: cfg.switches.clone(),
     };
     let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;

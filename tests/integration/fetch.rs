@@ -85,6 +85,7 @@ fn mini_tree(name: &str) -> PathBuf {
     let tree = tmp(name);
     for f in [
         "ggml/src/ggml-cuda/ggml-cuda.cu",
+        "ggml/src/ggml-cuda/mmq.cu",
         "include/llama.h",
         "src/CMakeLists.txt",
         "src/llama-context.cpp",

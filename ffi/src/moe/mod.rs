@@ -111,6 +111,20 @@ pub struct Plan {
     /// Slots per half of the prefill ring (0: no ring). Layers with more cold experts than a
     /// half keep the prompt path without it.
     pub ring_half: usize,
+    pub switches: Switches,
+}
+
+/// Switches for tests and diagnostics; the server reads them from the environment once.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Switches {
+    /// Every batch's cold tier as a flat mul_mat_id of one expert per column (STRATA_MOE_FLAT_IDS=1).
+    pub flat_ids: bool,
+    /// The cold selections as one host op per layer (STRATA_MOE_HOST_OP=1).
+    pub host_op: bool,
+    /// The prefill ring built on the CPU (STRATA_RING_EMULATE=1).
+    pub emulate_ring: bool,
+    /// Where the ring writes its per-layer timeline (STRATA_RING_TRACE).
+    pub ring_trace: Option<std::path::PathBuf>,
 }
 
 /// Experts and bytes per tier after placement.
@@ -563,9 +577,9 @@ fn type_name(ty: sys::ggml_type) -> String {
 /// The batch size from which the cold tier's mul_mat_id pass gives one expert per column. Its
 /// map repeats an id within a token (the pad row, the stand-in), which the grouped CUDA/HIP
 /// kernels do not allow; their vector kernels (always used below 4 tokens for quantized
-/// weights) and the CPU do. STRATA_MOE_FLAT_IDS=1 flattens every batch (tests of that graph).
-fn flat_from(gpu: bool, quantized: bool) -> i64 {
-    if std::env::var_os("STRATA_MOE_FLAT_IDS").is_some_and(|v| v == "1") {
+/// weights) and the CPU do. `flat_ids` flattens every batch (tests of that graph).
+fn flat_from(gpu: bool, quantized: bool, flat_ids: bool) -> i64 {
+    if flat_ids {
         return 1;
     }
     match (gpu, quantized) {
@@ -575,13 +589,13 @@ fn flat_from(gpu: bool, quantized: bool) -> i64 {
     }
 }
 
-/// Whether the cold selections run as one host op per layer (`pool::step`): only with
-/// STRATA_MOE_HOST_OP=1. A GPU backend with host ops (patches/0002) then runs the op in its
+/// Whether the cold selections run as one host op per layer (`pool::step`): only when `on`
+/// (STRATA_MOE_HOST_OP=1). A GPU backend with host ops (patches/0002) then runs the op in its
 /// stream, so the layer stays one device split; on the H200 that measured slower than the
 /// scheduler's CPU splits (docs/expert-tiers.md), hence not the default. Elsewhere the CPU
 /// runs it as an ordinary op (tests of that graph).
-fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool) -> bool {
-    if std::env::var("STRATA_MOE_HOST_OP").as_deref() != Ok("1") {
+fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool) -> bool {
+    if !on {
         return false;
     }
     if gpu {
@@ -838,7 +852,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
     let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
-    let host_op = !plan.count_only && host_ops(dev, gpu);
+    let host_op = !plan.count_only && host_ops(dev, gpu, plan.switches.host_op);
     let mut workers = 0;
     if plan.cold_threads > 0 && !plan.count_only {
         workers = plan.cold_threads as usize;
@@ -867,7 +881,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         }
     };
     let mut placement = Placement { hot_device: dev_name.clone(), host_ops: host_op, workers, ..Default::default() };
-    let emulate = std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1");
+    let emulate = plan.switches.emulate_ring;
+    let trace = plan.switches.ring_trace.as_deref();
     let ring = if plan.ring_half > 0 && !plan.count_only && (gpu || emulate) {
         // One ring per matrix kind, as large as the widest layer's experts of that kind.
         let mut max_nb2: Vec<usize> = Vec::new();
@@ -884,9 +899,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         }
         let pinned = plan.cold == ColdCopy::PinnedRam;
         if !gpu {
-            Some(ring::Ring::new_emulated(plan.ring_half, pinned))
+            Some(ring::Ring::new_emulated(plan.ring_half, pinned, trace))
         } else {
-            let r = ring::Ring::new_device(dev, plan.ring_half, &max_nb2, pinned);
+            let r = ring::Ring::new_device(dev, plan.ring_half, &max_nb2, pinned, trace);
             if r.is_none() {
                 placement.ring = Some(format!("prefill ring: off ({dev_name} has no expert windows: patches/0003 missing, no virtual memory management, or too little memory for {} slots)", 2 * plan.ring_half));
             }
@@ -1056,7 +1071,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 n_cold: cold_list.len(),
                 cold_threads: plan.cold_threads,
                 count_only: plan.count_only,
-                flat_from: flat_from(gpu, quantized),
+                flat_from: flat_from(gpu, quantized, plan.switches.flat_ids),
                 n_used,
                 cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
                 staging,

@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -342,7 +343,7 @@ pub(crate) struct Ring {
     layers: Mutex<Vec<Arc<RingLayer>>>,
     pub emulated: bool,
     pub bytes: usize,
-    /// STRATA_RING_TRACE=FILE: one JSON line per fill step (the per-layer timeline).
+    /// One JSON line per fill step (the per-layer timeline), when a file was given.
     trace: Option<Mutex<std::fs::File>>,
 }
 
@@ -386,7 +387,7 @@ impl Ring {
     /// A ring of `2 * half` slots on device `dev` for matrices of at most `max_nb2` bytes per
     /// expert (one ring per matrix kind, in Mats order), or None where the backend lacks
     /// windows (no patches/0003, no virtual memory management) or the memory is short.
-    pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool) -> Option<Arc<Self>> {
+    pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool, trace: Option<&Path>) -> Option<Arc<Self>> {
         let fns = Fns::load(dev)?;
         let idx = device_index(dev);
         let mut handles: Vec<[*mut c_void; 2]> = Vec::new();
@@ -409,15 +410,16 @@ impl Ring {
         }
         // SAFETY: live handles.
         let bytes = handles.iter().flatten().map(|&h| unsafe { (fns.ring_size)(h) }).sum();
-        Some(Self::with(Copier::Device { fns, dev: idx }, half, handles, Some(fns), pinned_src, false, bytes))
+        Some(Self::with(Copier::Device { fns, dev: idx }, half, handles, Some(fns), pinned_src, bytes, trace))
     }
 
     /// The CPU emulation (`STRATA_RING_EMULATE=1`).
-    pub(crate) fn new_emulated(half: usize, pinned_src: bool) -> Arc<Self> {
-        Self::with(Copier::Host, half, Vec::new(), None, pinned_src, true, 0)
+    pub(crate) fn new_emulated(half: usize, pinned_src: bool, trace: Option<&Path>) -> Arc<Self> {
+        Self::with(Copier::Host, half, Vec::new(), None, pinned_src, 0, trace)
     }
 
-    fn with(copier: Copier, half: usize, handles: Vec<[*mut c_void; 2]>, fns: Option<Fns>, pinned_src: bool, emulated: bool, bytes: usize) -> Arc<Self> {
+    fn with(copier: Copier, half: usize, handles: Vec<[*mut c_void; 2]>, fns: Option<Fns>, pinned_src: bool, bytes: usize, trace: Option<&Path>) -> Arc<Self> {
+        let emulated = matches!(copier, Copier::Host);
         Arc::new(Self {
             copier,
             half,
@@ -431,7 +433,7 @@ impl Ring {
             layers: Mutex::new(Vec::new()),
             emulated,
             bytes,
-            trace: std::env::var_os("STRATA_RING_TRACE").and_then(|p| std::fs::File::create(p).ok()).map(Mutex::new),
+            trace: trace.and_then(|p| std::fs::File::create(p).ok()).map(Mutex::new),
         })
     }
 
