@@ -13,6 +13,7 @@ use strata_ffi::moe::{self, ColdCopy, Placement, Tier};
 use strata_ffi::Model;
 use strata_residency::gguf::{self, ExpertLayout};
 use strata_residency::memguard::{self, CopyKind};
+use strata_residency::plan;
 use strata_residency::profile::Profile;
 
 use crate::cli::flags::StrataArgs;
@@ -182,110 +183,25 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// (layer, expert) in the order the hot tier is filled.
+/// The placement policy's ranking for this model and profile.
 fn ranking(p: &Prepared) -> Vec<(u32, u32)> {
-    if let Some(prof) = &p.profile {
-        return prof.ranked.iter().map(|e| (e.layer, e.expert)).collect();
-    }
-    let mut v = Vec::new();
-    for e in 0..p.layout.n_expert {
-        for l in &p.layout.layers {
-            v.push((l.layer, e));
-        }
-    }
-    v
+    plan::ranking(&p.layout, p.profile.as_ref())
 }
 
-/// Hot experts per layer: the ranking's head, within `budget` bytes and `max` experts; the
-/// first hot expert of a layer also pays for its zero pad experts (one per routing position).
-fn choose(p: &Prepared, budget: u64, max: u64) -> Vec<(i32, Vec<u32>)> {
-    let mut hot: Vec<(i32, Vec<u32>)> = p.layout.layers.iter().map(|l| (l.layer as i32, Vec::new())).collect();
-    let (mut used, mut n) = (0u64, 0u64);
-    for (layer, expert) in ranking(p) {
-        if n >= max {
-            break;
-        }
-        let Some(i) = p.layout.layers.iter().position(|l| l.layer == layer) else { continue };
-        let bytes = p.layout.layers[i].expert_bytes();
-        // Zero pads per routing position, and with --pcie-frac as many staging slots and pads.
-        let per_pos = if p.cfg.pcie_frac > 0.0 { 3 } else { 1 };
-        let pads = per_pos * u64::from(p.layout.n_expert_used);
-        let cost = if hot[i].1.is_empty() { (1 + pads) * bytes } else { bytes };
-        if used + cost > budget {
-            break;
-        }
-        used += cost;
-        n += 1;
-        hot[i].1.push(expert);
-    }
-    hot
+/// Zero pads per routing position (with --pcie-frac also as many staging slots and their pads).
+fn pads_per_layer(p: &Prepared) -> u64 {
+    let per_pos = if p.cfg.pcie_frac > 0.0 { 3 } else { 1 };
+    per_pos * u64::from(p.layout.n_expert_used)
 }
 
-/// Ring bytes allowed at most, as a share of the hot tier's budget, when the ring is sized
-/// automatically: layers with more cold experts than that keep the prompt path without it.
-const RING_MAX_SHARE: f64 = 0.25;
-/// Unmapped tail of each window (the device maps in 2 MiB granules), per matrix and layer.
-const WINDOW_SLACK: u64 = 2 << 20;
-
-/// Slots per half of the prefill ring (0: none), re-choosing `hot` within what the ring leaves
-/// of an automatic budget. STRATA_PREFILL_RING=N gives N slots; unset, a half holds the largest
-/// cold tier of a layer (within RING_MAX_SHARE of the budget): a layer whose cold tier exceeds a
-/// half sends every prompt batch's hidden state to the CPU and back, whether or not it overflows.
-fn ring_half(p: &Prepared, budget: u64, max: u64, hot: &mut Vec<(i32, Vec<u32>)>) -> usize {
+/// Slots per half of the prefill ring (0: none; see plan::ring_half), which may re-choose `hot`.
+fn ring_half(p: &Prepared, ranking: &[(u32, u32)], budget: u64, max: u64, hot: &mut plan::Hot) -> usize {
     let cfg = &p.cfg;
     if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || cfg.switches.emulate_ring) {
         return 0;
     }
-    let expert_bytes = p.layout.layers.iter().map(|l| l.expert_bytes()).max().unwrap_or(0);
-    let n_expert = u64::from(p.layout.n_expert);
-    let max_cold = |hot: &[(i32, Vec<u32>)]| hot.iter().map(|(_, h)| n_expert - h.len() as u64).max().unwrap_or(0);
-    let slack = 3 * WINDOW_SLACK * p.layout.layers.len() as u64;
-    let cost = |half: u64| 2 * half * expert_bytes + slack;
-    let auto_budget = budget != u64::MAX && max == u64::MAX;
-    let mut half = match cfg.ring_slots {
-        Some(n) => (n / 2) as u64,
-        None => max_cold(hot),
-    };
-    if cfg.ring_slots.is_none() && auto_budget {
-        let cap = ((budget as f64 * RING_MAX_SHARE) as u64).saturating_sub(slack) / (2 * expert_bytes.max(1));
-        for _ in 0..3 {
-            half = max_cold(hot).min(cap);
-            *hot = choose(p, budget.saturating_sub(cost(half)), max);
-        }
-        half = max_cold(hot).min(cap);
-    } else if auto_budget {
-        *hot = choose(p, budget.saturating_sub(cost(half)), max);
-    }
-    half as usize
-}
-
-/// Per layer, the profile's share of selections that the chosen hot experts miss.
-fn cold_shares(prof: &Profile, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, f64)> {
-    hot.iter()
-        .map(|(il, h)| {
-            let (mut all, mut hit) = (0u64, 0u64);
-            for e in prof.ranked.iter().filter(|e| e.layer as i32 == *il) {
-                all += e.hits;
-                if h.contains(&e.expert) {
-                    hit += e.hits;
-                }
-            }
-            (*il, if all == 0 { 1.0 } else { (all - hit) as f64 / all as f64 })
-        })
-        .collect()
-}
-
-/// Per layer, the first cold expert of the ranking (the one prompt batches upload anyway).
-fn stand_ins(p: &Prepared, hot: &[(i32, Vec<u32>)]) -> Vec<(i32, u32)> {
-    let mut out: Vec<(i32, u32)> = Vec::new();
-    for (layer, expert) in ranking(p) {
-        let il = layer as i32;
-        let is_hot = hot.iter().any(|(l, h)| *l == il && h.contains(&expert));
-        if !is_hot && !out.iter().any(|(l, _)| *l == il) {
-            out.push((il, expert));
-        }
-    }
-    out
+    let req = plan::RingRequest { slots: cfg.ring_slots, budget, max, pads_per_layer: pads_per_layer(p) };
+    plan::ring_half(&p.layout, ranking, req, hot)
 }
 
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
@@ -319,8 +235,9 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
             CacheSize::Auto => (0, 0),
         }
     };
-    let mut hot = choose(p, budget, max);
-    let ring_half = ring_half(p, budget, max, &mut hot);
+    let ranking = ranking(p);
+    let mut hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
+    let ring_half = ring_half(p, &ranking, budget, max, &mut hot);
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
@@ -343,8 +260,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         report.admit(bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
         strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
     }
-    let stand_in = stand_ins(p, &hot);
-    let cold_share = p.profile.as_ref().map(|prof| cold_shares(prof, &hot)).unwrap_or_default();
+    let stand_in = plan::stand_ins(&ranking, &hot);
+    let cold_share = p.profile.as_ref().map(|prof| plan::cold_shares(prof, &hot)).unwrap_or_default();
     let plan = moe::Plan {
         hot,
         cold,

@@ -26,6 +26,7 @@ use crate::hooks::{Hooks, MoeExperts};
 use crate::model::Model;
 use crate::sys;
 use kernels::{ColdMat, CpuTraits};
+use strata_residency::plan;
 
 /// Batches of at least this many tokens are offloaded by ggml's scheduler (CUDA's threshold).
 pub const OFFLOAD_MIN_BATCH: i64 = 32;
@@ -322,16 +323,14 @@ impl LayerTiers {
         }
         let Some(cost) = *ring.cost.lock().unwrap_or_else(|e| e.into_inner()) else { return true };
         let draws = n_tok as f64 * self.n_used as f64;
-        let pairs = draws * self.cold_share();
         let total: u64 = self.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).sum();
-        let distinct = if total >= COLD_SHARE_MIN_COUNT {
+        if total >= COLD_SHARE_MIN_COUNT {
             let q = (0..self.n_expert()).filter(|&e| self.cold_rows[e] >= 0).map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64);
-            ring::expected_distinct(q, draws)
+            plan::batch_prefers_ring(&cost, draws, self.cold_share(), q)
         } else {
             let n_cold = self.n_cold.max(1) as f64;
-            ring::expected_distinct(std::iter::repeat_n(self.cold_share_prior / n_cold, self.n_cold), draws)
-        };
-        cost.prefers_ring(pairs, distinct)
+            plan::batch_prefers_ring(&cost, draws, self.cold_share(), std::iter::repeat_n(self.cold_share_prior / n_cold, self.n_cold))
+        }
     }
 }
 

@@ -127,46 +127,12 @@ impl Slots {
     }
 }
 
-/// The cost model of a prompt batch's cold experts, from rates measured at start-up.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct CostModel {
-    /// Host-to-device bytes per second into the ring (measured, page-locked or gathered).
-    pub copy_bytes_per_s: f64,
-    /// Cold (token, expert) pairs per second on the CPU workers (measured on one thread, times
-    /// the workers).
-    pub cpu_pairs_per_s: f64,
-    /// Bytes of one expert (all its matrices).
-    pub expert_bytes: f64,
-}
+pub use strata_residency::plan::CostModel;
 
-impl CostModel {
-    /// Seconds to copy `distinct` experts, plus the graph split and synchronisation the fill
-    /// step costs (about 80 µs measured on the H200, docs/prefill-ring.md).
-    pub fn ring_s(&self, distinct: f64) -> f64 {
-        RING_STEP_S + distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
-    }
-
-    /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs.
-    pub fn cpu_s(&self, pairs: f64) -> f64 {
-        pairs / self.cpu_pairs_per_s.max(1.0)
-    }
-
-    /// Whether a batch is cheaper through the ring than on the CPU.
-    pub fn prefers_ring(&self, pairs: f64, distinct: f64) -> bool {
-        self.ring_s(distinct) < self.cpu_s(pairs)
-    }
-}
-
-const RING_STEP_S: f64 = 100e-6;
 /// Share of a layer's time the next layer's prefetch may fill with copies.
 const PREFETCH_SHARE: f64 = 0.8;
 /// Least chance of use for which an expert is prefetched when the copy budget allows.
 const PREFETCH_MIN_P: f64 = 0.02;
-
-/// Expected distinct experts among `draws` selections with per-selection probabilities `q`.
-pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
-    q.map(|p| 1.0 - (-draws * p).exp()).sum()
-}
 
 /// Functions of patches/0003, from the CUDA (or HIP) backend's proc addresses.
 type RingNew = unsafe extern "C" fn(i32, usize) -> *mut c_void;
@@ -945,18 +911,5 @@ mod tests {
         assert_eq!(rl.likely_cold(10.0, None), vec![7], "without a budget, only those more likely than not");
         let fresh = RingLayer::new(4, vec![(0, 16)], vec![0], vec![-1, 0, 1], vec![0, -1, -1], Arc::new(Tally::new(3)), 2);
         assert_eq!(fresh.likely_cold(100.0, Some(1)), vec![1], "before any counts: every cold expert, up to the budget");
-    }
-
-    #[test]
-    fn cost_model_prefers_the_ring_for_big_batches() {
-        let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6 };
-        // 4,096 tokens x 10 x 20% cold = 8,192 pairs over ~400 distinct experts.
-        assert!(m.prefers_ring(8192.0, 400.0));
-        // A cold pair or two: the CPU is quicker than a fill step.
-        assert!(!m.prefers_ring(2.0, 2.0));
-        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 40960.0);
-        assert!((d - 512.0).abs() < 1.0);
-        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 10.0);
-        assert!((d - 10.0).abs() < 0.2);
     }
 }

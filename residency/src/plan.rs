@@ -1,0 +1,273 @@
+//! Expert placement policy: which (layer, expert) pairs the hot tier holds, how large the
+//! prefill ring is, what the profile says each layer will miss, and when a prompt batch copies
+//! its cold experts to the GPU rather than computing them on the CPU. Pure functions of the
+//! model's expert layout, the ranked profile and measured rates; the mechanism that carries a
+//! plan out lives in strata-ffi's `moe` module.
+//!
+//! The hot tier is filled greedily from a ranking (the profile's, most selections first, or an
+//! even interleaving of the layers without one) until a byte budget or an expert count runs out,
+//! the classic static frequency placement of MoE offloading (MoE-Lightning, KTransformers'
+//! hot-expert lists). The ring's choice is a two-term cost model in the style of Fiddler's
+//! CPU-or-GPU decision: copying the batch's expected distinct cold experts over PCIe against
+//! computing its cold (token, expert) pairs on the CPU.
+
+use crate::gguf::ExpertLayout;
+use crate::profile::Profile;
+
+/// Hot experts per layer, as (layer, experts in ranking order).
+pub type Hot = Vec<(i32, Vec<u32>)>;
+
+/// (layer, expert) in the order the hot tier is filled: the profile's ranking, or without one
+/// expert 0 of every layer, then expert 1 of every layer, and so on.
+pub fn ranking(layout: &ExpertLayout, profile: Option<&Profile>) -> Vec<(u32, u32)> {
+    if let Some(prof) = profile {
+        return prof.ranked.iter().map(|e| (e.layer, e.expert)).collect();
+    }
+    (0..layout.n_expert).flat_map(|e| layout.layers.iter().map(move |l| (l.layer, e))).collect()
+}
+
+/// Hot experts per layer: the ranking's head within `budget` bytes and `max` experts. The
+/// first hot expert of a layer also pays for the layer's `pads_per_layer` zero pad (and
+/// staging) experts.
+pub fn choose(layout: &ExpertLayout, ranking: &[(u32, u32)], budget: u64, max: u64, pads_per_layer: u64) -> Hot {
+    let mut hot: Hot = layout.layers.iter().map(|l| (l.layer as i32, Vec::new())).collect();
+    let (mut used, mut n) = (0u64, 0u64);
+    for &(layer, expert) in ranking {
+        if n >= max {
+            break;
+        }
+        let Some(i) = layout.layers.iter().position(|l| l.layer == layer) else { continue };
+        let bytes = layout.layers[i].expert_bytes();
+        let cost = if hot[i].1.is_empty() { (1 + pads_per_layer) * bytes } else { bytes };
+        if used + cost > budget {
+            break;
+        }
+        used += cost;
+        n += 1;
+        hot[i].1.push(expert);
+    }
+    hot
+}
+
+/// Ring bytes allowed at most, as a share of the hot tier's budget, when the ring is sized
+/// automatically: layers with more cold experts than that keep the prompt path without it.
+pub const RING_MAX_SHARE: f64 = 0.25;
+/// Unmapped tail of each window (the device maps in 2 MiB granules), per matrix and layer.
+pub const WINDOW_SLACK: u64 = 2 << 20;
+
+/// How the ring is sized and what the hot tier may take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RingRequest {
+    /// Slots asked for (STRATA_PREFILL_RING); None sizes the ring automatically.
+    pub slots: Option<usize>,
+    /// The hot tier's byte budget (u64::MAX: none) and expert count (u64::MAX: none).
+    pub budget: u64,
+    pub max: u64,
+    pub pads_per_layer: u64,
+}
+
+/// Slots per half of the prefill ring, re-choosing `hot` within what the ring leaves of an
+/// automatic budget. Asked-for slots give half as many per half; unset, a half holds the largest
+/// cold tier of a layer (within RING_MAX_SHARE of the budget): a layer whose cold tier exceeds a
+/// half sends every prompt batch's hidden state to the CPU and back, whether or not it overflows.
+pub fn ring_half(layout: &ExpertLayout, ranking: &[(u32, u32)], req: RingRequest, hot: &mut Hot) -> usize {
+    let expert_bytes = layout.layers.iter().map(|l| l.expert_bytes()).max().unwrap_or(0);
+    let n_expert = u64::from(layout.n_expert);
+    let max_cold = |hot: &Hot| hot.iter().map(|(_, h)| n_expert - h.len() as u64).max().unwrap_or(0);
+    let slack = 3 * WINDOW_SLACK * layout.layers.len() as u64;
+    let cost = |half: u64| 2 * half * expert_bytes + slack;
+    let auto_budget = req.budget != u64::MAX && req.max == u64::MAX;
+    let rechoose = |half: u64| choose(layout, ranking, req.budget.saturating_sub(cost(half)), req.max, req.pads_per_layer);
+    let mut half = match req.slots {
+        Some(n) => (n / 2) as u64,
+        None => max_cold(hot),
+    };
+    if req.slots.is_none() && auto_budget {
+        let cap = ((req.budget as f64 * RING_MAX_SHARE) as u64).saturating_sub(slack) / (2 * expert_bytes.max(1));
+        // The hot tier shrinks as the ring grows, which grows the largest cold tier: a few
+        // rounds settle it.
+        for _ in 0..3 {
+            half = max_cold(hot).min(cap);
+            *hot = rechoose(half);
+        }
+        half = max_cold(hot).min(cap);
+    } else if auto_budget {
+        *hot = rechoose(half);
+    }
+    half as usize
+}
+
+/// Per layer, the profile's share of selections that the chosen hot experts miss.
+pub fn cold_shares(prof: &Profile, hot: &Hot) -> Vec<(i32, f64)> {
+    hot.iter()
+        .map(|(il, h)| {
+            let (mut all, mut hit) = (0u64, 0u64);
+            for e in prof.ranked.iter().filter(|e| e.layer as i32 == *il) {
+                all += e.hits;
+                if h.contains(&e.expert) {
+                    hit += e.hits;
+                }
+            }
+            (*il, if all == 0 { 1.0 } else { (all - hit) as f64 / all as f64 })
+        })
+        .collect()
+}
+
+/// Per layer, the first cold expert of the ranking (the one prompt batches upload anyway).
+pub fn stand_ins(ranking: &[(u32, u32)], hot: &Hot) -> Vec<(i32, u32)> {
+    let mut out: Vec<(i32, u32)> = Vec::new();
+    for &(layer, expert) in ranking {
+        let il = layer as i32;
+        let is_hot = hot.iter().any(|(l, h)| *l == il && h.contains(&expert));
+        if !is_hot && !out.iter().any(|(l, _)| *l == il) {
+            out.push((il, expert));
+        }
+    }
+    out
+}
+
+/// The cost model of a prompt batch's cold experts, from rates measured at start-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostModel {
+    /// Host-to-device bytes per second into the ring (measured, page-locked or gathered).
+    pub copy_bytes_per_s: f64,
+    /// Cold (token, expert) pairs per second on the CPU workers (measured on one thread, times
+    /// the workers).
+    pub cpu_pairs_per_s: f64,
+    /// Bytes of one expert (all its matrices).
+    pub expert_bytes: f64,
+}
+
+/// The graph split and synchronisation a ring fill step costs (about 80 µs measured on the H200).
+pub const RING_STEP_S: f64 = 100e-6;
+
+impl CostModel {
+    /// Seconds to copy `distinct` experts, plus one fill step.
+    pub fn ring_s(&self, distinct: f64) -> f64 {
+        RING_STEP_S + distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
+    }
+
+    /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs.
+    pub fn cpu_s(&self, pairs: f64) -> f64 {
+        pairs / self.cpu_pairs_per_s.max(1.0)
+    }
+
+    /// Whether a batch is cheaper through the ring than on the CPU.
+    pub fn prefers_ring(&self, pairs: f64, distinct: f64) -> bool {
+        self.ring_s(distinct) < self.cpu_s(pairs)
+    }
+}
+
+/// Expected distinct experts among `draws` selections with per-selection probabilities `q`.
+pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
+    q.map(|p| 1.0 - (-draws * p).exp()).sum()
+}
+
+/// Whether a prompt batch of `draws` selections, `cold_share` of them cold, is quicker through
+/// the ring: `cold_p` gives each cold expert's chance per selection (the layer's counts, or the
+/// profile's share spread evenly until it has counted enough).
+pub fn batch_prefers_ring(cost: &CostModel, draws: f64, cold_share: f64, cold_p: impl Iterator<Item = f64>) -> bool {
+    cost.prefers_ring(draws * cold_share, expected_distinct(cold_p, draws))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::{ExpertLayer, ExpertMatrix, MatKind};
+    use crate::profile::Entry;
+
+    /// `n_layer` layers of `n_expert` experts of 100 bytes each, 2 routed per token.
+    fn layout(n_layer: u32, n_expert: u32) -> ExpertLayout {
+        let mat = ExpertMatrix { kind: MatKind::ALL[0], name: "m".into(), ggml_type: 0, ne: [1, 1, u64::from(n_expert)], offset: 0, expert_bytes: 100 };
+        ExpertLayout {
+            arch: "test".into(),
+            n_layer,
+            n_expert,
+            n_expert_used: 2,
+            n_embd: 1,
+            layers: (0..n_layer).map(|layer| ExpertLayer { layer, n_ff: 1, mats: vec![mat.clone()] }).collect(),
+        }
+    }
+
+    fn profile(ranked: &[(u32, u32, u64)]) -> Profile {
+        Profile {
+            model_sha256: String::new(),
+            arch: "test".into(),
+            n_layer: 2,
+            n_expert: 4,
+            n_expert_used: 2,
+            tokens: 0,
+            source: String::new(),
+            ranked: ranked.iter().map(|&(layer, expert, hits)| Entry { layer, expert, hits }).collect(),
+        }
+    }
+
+    #[test]
+    fn without_a_profile_the_layers_are_interleaved() {
+        assert_eq!(ranking(&layout(2, 2), None), [(0, 0), (1, 0), (0, 1), (1, 1)]);
+        let p = profile(&[(1, 3, 9), (0, 2, 5)]);
+        assert_eq!(ranking(&layout(2, 4), Some(&p)), [(1, 3), (0, 2)]);
+    }
+
+    #[test]
+    fn the_first_hot_expert_of_a_layer_pays_for_its_pads() {
+        let l = layout(2, 4);
+        let r = ranking(&l, None);
+        // (1 + 2 pads) x 100 for each layer's first expert, then 100 each.
+        assert_eq!(choose(&l, &r, 700, u64::MAX, 2), [(0, vec![0, 1]), (1, vec![0])]);
+        assert_eq!(choose(&l, &r, 299, u64::MAX, 2), [(0, vec![]), (1, vec![])]);
+        assert_eq!(choose(&l, &r, u64::MAX, 3, 2), [(0, vec![0, 1]), (1, vec![0])]);
+    }
+
+    #[test]
+    fn an_automatic_ring_holds_the_largest_cold_tier_within_its_share() {
+        let l = layout(2, 4);
+        let r = ranking(&l, None);
+        let slack = 3 * WINDOW_SLACK * 2;
+        // A budget big enough for everything: the ring holds the largest cold tier left.
+        let big = slack * 10;
+        let req = RingRequest { slots: None, budget: big, max: u64::MAX, pads_per_layer: 2 };
+        let mut hot = choose(&l, &r, big, u64::MAX, 2);
+        assert_eq!(ring_half(&l, &r, req, &mut hot), 0);
+        assert!(hot.iter().all(|(_, h)| h.len() == 4));
+        // Asked-for slots: half each, and the hot tier gives up what the ring takes.
+        let req = RingRequest { slots: Some(8), budget: slack + 8 * 100 + 1000, max: u64::MAX, pads_per_layer: 2 };
+        let mut hot = choose(&l, &r, req.budget, u64::MAX, 2);
+        assert_eq!(ring_half(&l, &r, req, &mut hot), 4);
+        assert_eq!(hot.iter().map(|(_, h)| h.len()).sum::<usize>(), 6);
+        // A fixed expert count leaves the hot tier alone.
+        let req = RingRequest { slots: None, budget: u64::MAX, max: 3, pads_per_layer: 2 };
+        let mut hot = choose(&l, &r, u64::MAX, 3, 2);
+        assert_eq!(ring_half(&l, &r, req, &mut hot), 3);
+        assert_eq!(hot, [(0, vec![0, 1]), (1, vec![0])]);
+    }
+
+    #[test]
+    fn cold_shares_and_stand_ins_follow_the_profile() {
+        let p = profile(&[(0, 1, 6), (1, 2, 5), (0, 3, 3), (0, 0, 1), (1, 0, 0)]);
+        let hot: Hot = vec![(0, vec![1]), (1, vec![])];
+        let shares = cold_shares(&p, &hot);
+        assert_eq!(shares[0], (0, 0.4));
+        assert_eq!(shares[1], (1, 1.0));
+        let r = ranking(&layout(2, 4), Some(&p));
+        assert_eq!(stand_ins(&r, &hot), [(1, 2), (0, 3)]);
+    }
+
+    #[test]
+    fn cost_model_prefers_the_ring_for_big_batches() {
+        let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6 };
+        // 4,096 tokens x 10 x 20% cold = 8,192 pairs over ~400 distinct experts.
+        assert!(m.prefers_ring(8192.0, 400.0));
+        // A cold pair or two: the CPU is quicker than a fill step.
+        assert!(!m.prefers_ring(2.0, 2.0));
+        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 40960.0);
+        assert!((d - 512.0).abs() < 1.0);
+        let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 10.0);
+        assert!((d - 10.0).abs() < 0.2);
+        // 512 tokens of a layer that misses 1% over 400 even cold experts: 51 pairs on the CPU
+        // (2.6 ms) against ~50 copies (1.3 ms): the ring; at 5 tokens the CPU.
+        let even = |n: usize| std::iter::repeat_n(0.01 / 400.0, n);
+        assert!(batch_prefers_ring(&m, 5120.0, 0.01, even(400)));
+        assert!(!batch_prefers_ring(&m, 50.0, 0.01, even(400)));
+    }
+}
