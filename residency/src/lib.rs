@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod adapt;
+pub mod direct_io;
 pub mod gguf;
 pub mod memguard;
 pub mod plan;
