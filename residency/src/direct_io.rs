@@ -47,8 +47,14 @@ struct Job {
     batch: Arc<BatchState>,
 }
 
+/// Each read's result once it is in, and how many are still out.
+struct Results {
+    reads: Vec<Option<io::Result<Vec<u8>>>>,
+    pending: usize,
+}
+
 struct BatchState {
-    slot: Mutex<(Vec<Option<io::Result<Vec<u8>>>>, usize)>,
+    slot: Mutex<Results>,
     done: Condvar,
 }
 
@@ -60,10 +66,10 @@ impl Batch {
     /// error (a read past the end of the file is `UnexpectedEof`).
     pub fn wait(self) -> io::Result<Vec<Vec<u8>>> {
         let mut g = self.0.slot.lock().unwrap_or_else(|e| e.into_inner());
-        while g.1 > 0 {
+        while g.pending > 0 {
             g = self.0.done.wait(g).unwrap_or_else(|e| e.into_inner());
         }
-        g.0.drain(..).map(|r| r.unwrap_or_else(|| Err(io::Error::other("read dropped")))).collect()
+        g.reads.drain(..).map(|r| r.unwrap_or_else(|| Err(io::Error::other("read dropped")))).collect()
     }
 }
 
@@ -133,7 +139,8 @@ impl ReadPool {
 
     /// Queues `(offset, len)` reads; the batch's results come back in this order.
     pub fn submit(&self, reads: &[(u64, usize)]) -> Batch {
-        let batch = Arc::new(BatchState { slot: Mutex::new(((0..reads.len()).map(|_| None).collect(), reads.len())), done: Condvar::new() });
+        let batch =
+            Arc::new(BatchState { slot: Mutex::new(Results { reads: (0..reads.len()).map(|_| None).collect(), pending: reads.len() }), done: Condvar::new() });
         let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
         for (index, &(offset, len)) in reads.iter().enumerate() {
             if q.closed {
@@ -170,9 +177,9 @@ impl Drop for ReadPool {
 
 fn finish(batch: &BatchState, index: usize, r: io::Result<Vec<u8>>) {
     let mut g = batch.slot.lock().unwrap_or_else(|e| e.into_inner());
-    g.0[index] = Some(r);
-    g.1 -= 1;
-    if g.1 == 0 {
+    g.reads[index] = Some(r);
+    g.pending -= 1;
+    if g.pending == 0 {
         batch.done.notify_all();
     }
 }
