@@ -350,9 +350,9 @@ pub(crate) enum WindowMem {
 }
 
 impl Ring {
-    /// A ring of `2 * half` slots on device `dev` for matrices of at most `max_nb2` bytes per
-    /// expert (one ring per matrix kind, in Mats order), or None where the backend lacks
-    /// windows (no patches/0003, no virtual memory management) or the memory is short.
+    /// A ring of two halves of `half` slots on device `dev` for matrices of at most `max_nb2`
+    /// bytes per expert (two allocations per matrix kind, in Mats order), or None where the
+    /// backend lacks windows (no patches/0003, no virtual memory management) or the memory is short.
     pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool, trace: Option<&Path>) -> Option<Arc<Self>> {
         let fns = Fns::load(dev)?;
         let idx = device_index(dev);
