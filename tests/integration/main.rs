@@ -4,6 +4,7 @@
 mod chat;
 mod checkpoints;
 mod cli;
+mod default_model;
 mod engine;
 mod experts;
 mod fetch;
