@@ -343,9 +343,9 @@ fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
     let body = greedy("Hello", 4).to_string();
     let mut b = std::net::TcpStream::connect(&addr).unwrap();
     write!(b, "POST /completion HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(1000));
     drop(b);
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(1000));
 
     // C takes the one place in the queue that B left.
     let c_url = format!("{}/completion", server.base);
@@ -354,7 +354,7 @@ fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
         Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap_or_default()),
         Err(e) => panic!("{e}"),
     });
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(1000));
 
     // D finds the queue full.
     match ureq::post(&format!("{}/completion", server.base)).send_json(greedy("Hi", 4)) {
