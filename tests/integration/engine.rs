@@ -328,12 +328,30 @@ fn a_client_that_disconnects_frees_its_slot() {
     assert_eq!(body["tokens_predicted"], 4);
 }
 
+/// Waits until the server's own gauge of tasks waiting for a slot reads `n`, so the steps below
+/// follow the server's state, not the clock of a loaded machine.
+fn wait_deferred(server: &Server, n: u64) {
+    let url = format!("{}/metrics", server.base);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut last = String::new();
+    while std::time::Instant::now() < deadline {
+        let text = ureq::get(&url).call().unwrap().into_string().unwrap();
+        last = text.lines().find(|l| l.starts_with("llamacpp:requests_deferred ")).unwrap_or_default().to_string();
+        if last.split_whitespace().nth(1).and_then(|v| v.parse::<f64>().ok()) == Some(n as f64) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("requests_deferred never reached {n}: {last}");
+}
+
 #[test]
 fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
-    let server = gemma(&["-np", "1", "--max-queued", "1"]);
-    // A holds the only slot.
-    let mut a = greedy("Count from one to a thousand:", 1500);
+    let server = gemma(&["-np", "1", "--max-queued", "1", "--metrics", "-c", "8192"]);
+    // A holds the only slot until its client goes: no end of text, more tokens than the test lasts.
+    let mut a = greedy("Count from one to a thousand:", 8000);
     a["stream"] = json!(true);
+    a["ignore_eos"] = json!(true);
     let res = ureq::post(&format!("{}/completion", server.base)).send_json(a).unwrap();
     let mut a_lines = BufReader::new(res.into_reader()).lines();
     assert!(a_lines.find(|l| l.as_ref().is_ok_and(|l| l.starts_with("data: "))).is_some());
@@ -343,9 +361,9 @@ fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
     let body = greedy("Hello", 4).to_string();
     let mut b = std::net::TcpStream::connect(&addr).unwrap();
     write!(b, "POST /completion HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
+    wait_deferred(&server, 1);
     drop(b);
-    std::thread::sleep(Duration::from_millis(1000));
+    wait_deferred(&server, 0);
 
     // C takes the one place in the queue that B left.
     let c_url = format!("{}/completion", server.base);
@@ -354,7 +372,7 @@ fn past_max_queued_a_request_gets_503_and_a_gone_client_leaves_the_queue() {
         Err(ureq::Error::Status(code, r)) => (code, r.into_json::<Value>().unwrap_or_default()),
         Err(e) => panic!("{e}"),
     });
-    std::thread::sleep(Duration::from_millis(1000));
+    wait_deferred(&server, 1);
 
     // D finds the queue full.
     match ureq::post(&format!("{}/completion", server.base)).send_json(greedy("Hi", 4)) {
