@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import importlib.util
-from importlib.machinery import SourceFileLoader
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,9 @@ import pytest
 import servers
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from strata_tools.device import ab as ab_tool  # noqa: E402
+
 AB = REPO / "tools" / "device" / "ab"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
@@ -38,10 +39,7 @@ def test_plan_moves_experts_to_the_cpu_only_as_far_as_the_card_needs():
     assert tight[-2].endswith("--n-cpu-moe 4"), tight
     assert tight[-1].startswith("warning:"), tight
     # a card that holds all but about two layers' experts
-    loader = SourceFileLoader("ab", str(AB))
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("ab", loader))
-    loader.exec_module(mod)
-    _, fixed, experts = mod.sizes(MODEL, 4096)
+    _, fixed, experts = ab_tool.sizes(MODEL, 4096)
     middle = (fixed + sum(experts[2:]) + 1) / 2 ** 30
     line = plan(middle)[-1]
     assert line.endswith("--n-cpu-moe 2"), line

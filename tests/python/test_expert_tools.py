@@ -3,8 +3,6 @@ and the comparison in tools/device/parity."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,17 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
 SERVER = REPO / "target/release/strata-server"
-
-
-def load(path: Path, name: str):
-    loader = importlib.machinery.SourceFileLoader(name, str(path))
-    spec = importlib.util.spec_from_loader(name, loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
-
-
-parity = load(REPO / "tools/device/parity", "parity")
+sys.path.insert(0, str(REPO / "tools"))
+from strata_tools.device import parity  # noqa: E402
 
 
 @pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A/B run: upstream llama-server (control) against strata-server (candidate), one at a time on
 one idle machine, each measured by tools/hip/bench_prefill.py; prints the compare table last.
 
@@ -29,9 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools import NotReady, wait_healthy  # noqa: E402
+from strata_tools import NotReady, wait_healthy
+
+REPO = Path(__file__).resolve().parents[3]
 BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
 GIB = 1024 ** 3
 # Compute buffers and CUDA context the user leaves room for on top of weights and KV cache.

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Greedy parity of two servers on one prompt. A (the reference) generates N tokens. B generates
 its own N tokens (free-running), then is teacher-forced along A's tokens: at each step B is given
 the prompt plus A's tokens so far (one new token each time, from B's prompt cache) and reports its
@@ -20,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strata_tools import NotReady, free_port, post_json, stop, wait_healthy  # noqa: E402
+from strata_tools import NotReady, free_port, post_json, stop, wait_healthy
 
 
 class Server:

@@ -1,0 +1,1 @@
+"""The device tools behind the commands in tools/device/."""
