@@ -7,7 +7,7 @@
 //! from the profile's ranking within the VRAM budget and the MoE hook takes over those layers.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use strata_ffi::moe::{self, ColdCopy, Placement, Tier};
 use strata_ffi::Model;
@@ -161,8 +161,9 @@ pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<
     Ok(Prepared { cfg: cfg.clone(), layout, sha256, profile })
 }
 
-/// The placement in effect, for /metrics and the per-step figures.
-struct Status {
+/// The placement in effect and the selections counted since: a value the engine owns, read by
+/// /metrics through the engine handle.
+pub struct Residency {
     placement: Placement,
     totals: [u64; 3],
     last_step: [u64; 3],
@@ -176,8 +177,6 @@ struct Recorder {
     sha256: String,
     layout: ExpertLayout,
 }
-
-static STATUS: Mutex<Option<Status>> = Mutex::new(None);
 
 fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
@@ -207,7 +206,7 @@ fn ring_half(p: &Prepared, ranking: &[(u32, u32)], budget: u64, max: u64, hot: &
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
 /// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
 /// before any graph is computed.
-pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), String> {
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Residency, String> {
     let loaded = moe::expert_layers(model);
     for l in &p.layout.layers {
         let Some(m) = loaded.iter().find(|m| m.layer == l.layer as i32) else {
@@ -258,7 +257,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
         let report = memguard::measure(root).map_err(|e| format!("{flag}: {e}"))?;
         report.admit(bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
-        strata_ffi::log_info(&format!("srv  load_model: {}\n", report.summary()));
+        crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &report.summary().to_string());
     }
     let stand_in = plan::stand_ins(&ranking, &hot);
     let cold_share = p.profile.as_ref().map(|prof| plan::cold_shares(prof, &hot)).unwrap_or_default();
@@ -279,7 +278,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
     let place_s = t0.elapsed().as_secs_f64();
 
     let n_pairs = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
-    let mut line = format!("srv  load_model: experts: {} MoE layers x {} experts;", p.layout.layers.len(), p.layout.n_expert);
+    let mut line = format!("experts: {} MoE layers x {} experts;", p.layout.layers.len(), p.layout.n_expert);
     for t in Tier::ALL {
         let i = t as usize;
         line += &format!(" {} {} ({})", t.name(), placement.experts[i], gib(placement.bytes[i]));
@@ -289,7 +288,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         line += ",";
     }
     line.pop();
-    strata_ffi::log_info(&format!("{line}\n"));
+    crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
     let budget_note = match cfg.cache {
         _ if !cfg.hot_tier => "counting selections only".into(),
         CacheSize::Auto if moe::has_gpu() => {
@@ -306,8 +305,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
-    strata_ffi::log_info(&format!(
-        "srv  load_model: experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s\n",
+    let msg = format!(
+        "experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s",
         placement.experts[Tier::Hot as usize],
         match (placement.workers, cfg.pcie_frac) {
             (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
@@ -315,70 +314,67 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<(), St
             (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
             (n, _) => format!("a pool of {n} workers"),
         } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" }
-    ));
+    );
+    crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &msg);
     match (&placement.ring, ring_half) {
-        (Some(line), _) => strata_ffi::log_info(&format!("srv  load_model: {line}\n")),
+        (Some(line), _) => crate::log::srv(strata_ffi::Verbosity::Info, "load_model", line),
         (None, 0) if cfg.hot_tier && cfg.ring_slots != Some(0) && !moe::has_gpu() => {
-            strata_ffi::log_info("srv  load_model: prefill ring: off (no GPU); prompt batches compute cold experts as before\n")
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "prefill ring: off (no GPU); prompt batches compute cold experts as before")
         }
         _ => {}
     }
     let recorder =
         cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: p.layout.clone() });
-    *STATUS.lock().unwrap_or_else(|e| e.into_inner()) = Some(Status { placement, totals: moe::hits(), last_step: [0; 3], recorder });
-    Ok(())
+    Ok(Residency { placement, totals: moe::hits(), last_step: [0; 3], recorder })
 }
 
-/// Records the selections of the decode step just made (cheap: atomics of each tiered layer).
-pub fn after_step() {
-    let mut s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(st) = s.as_mut() {
+impl Residency {
+    /// Records the selections of the decode step just made (cheap: atomics of each tiered layer).
+    pub fn after_step(&mut self) {
         let now = moe::hits();
-        st.last_step = std::array::from_fn(|i| now[i].saturating_sub(st.totals[i]));
-        st.totals = now;
+        self.last_step = std::array::from_fn(|i| now[i].saturating_sub(self.totals[i]));
+        self.totals = now;
     }
-}
 
-/// The `strata:*` lines appended to /metrics when experts are placed.
-pub fn metrics_text() -> String {
-    let s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(st) = s.as_ref() else { return String::new() };
-    let mut out = String::new();
-    let mut family = |name: &str, kind: &str, help: &str, vals: [u64; 3]| {
-        out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\n");
-        for t in Tier::ALL {
-            out += &format!("strata:{name}{{tier=\"{}\"}} {}\n", t.name(), vals[t as usize]);
-        }
-    };
-    family("experts_resident", "gauge", "Experts placed in each tier", st.placement.experts);
-    family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);
-    family("expert_selections_total", "counter", "Selected experts served from each tier", st.totals);
-    family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
-    out += &format!(
-        "# HELP strata:expert_uploads_total Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)\n\
-         # TYPE strata:expert_uploads_total counter\nstrata:expert_uploads_total {}\n",
-        moe::uploads()
-    );
-    if let Some(r) = moe::ring_stats() {
-        let mut one = |name: &str, kind: &str, help: &str, v: u64| {
-            out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
+    /// The `strata:*` lines appended to /metrics when experts are placed.
+    pub fn metrics_text(&self) -> String {
+        let st = self;
+        let mut out = String::new();
+        let mut family = |name: &str, kind: &str, help: &str, vals: [u64; 3]| {
+            out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\n");
+            for t in Tier::ALL {
+                out += &format!("strata:{name}{{tier=\"{}\"}} {}\n", t.name(), vals[t as usize]);
+            }
         };
-        one("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes);
-        one("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch);
-        one("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits);
-        one("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills);
-        one("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls);
-        one("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches);
+        family("experts_resident", "gauge", "Experts placed in each tier", st.placement.experts);
+        family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);
+        family("expert_selections_total", "counter", "Selected experts served from each tier", st.totals);
+        family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
+        out += &format!(
+            "# HELP strata:expert_uploads_total Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)\n\
+             # TYPE strata:expert_uploads_total counter\nstrata:expert_uploads_total {}\n",
+            moe::uploads()
+        );
+        if let Some(r) = moe::ring_stats() {
+            let mut one = |name: &str, kind: &str, help: &str, v: u64| {
+                out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
+            };
+            one("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes);
+            one("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch);
+            one("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits);
+            one("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills);
+            one("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls);
+            one("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches);
+        }
+        out
     }
-    out
-}
 
-/// After a request: with --expert-profile-out, rewrites the profile of the selections so far.
-pub fn request_done() {
-    let s = STATUS.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(r) = s.as_ref().and_then(|st| st.recorder.as_ref()) else { return };
-    if let Err(e) = write_profile(r) {
-        strata_ffi::log(strata_ffi::Verbosity::Error, &format!("srv  request_done: {e}\n"));
+    /// After a request: with --expert-profile-out, rewrites the profile of the selections so far.
+    pub fn request_done(&self) {
+        let Some(r) = self.recorder.as_ref() else { return };
+        if let Err(e) = write_profile(r) {
+            crate::log::srv(strata_ffi::Verbosity::Error, "request_done", &e.to_string());
+        }
     }
 }
 

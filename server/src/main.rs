@@ -2,32 +2,13 @@
 
 #![forbid(unsafe_code)]
 
-mod admission;
 mod agent;
-mod anthropic;
-mod checkpoint;
+mod api;
 mod cli;
-mod cors_proxy;
-mod embeddings;
 mod engine;
-mod error;
 mod experts;
-mod gcp;
-mod generation;
-mod http;
-mod infill;
-mod info;
-mod mcp;
-mod metrics;
-mod oai;
-mod prompt_cache;
-mod request;
-mod responses;
+mod log;
 mod router;
-mod streams;
-mod tools;
-mod tools_http;
-mod ui;
 
 use cli::flags;
 use std::ffi::{c_char, c_int};
@@ -113,7 +94,7 @@ fn serve(
     let cfg = params.to_json().context("reading parsed parameters")?;
     let conf = cli::config::ServerConfig::from_json(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
-    let gcp = gcp::Gcp::from_env();
+    let gcp = api::gcp::Gcp::from_env();
     let port = gcp.as_ref().and_then(|g| g.port).map_or(conf.port, i64::from);
     if router::is_router(&cfg) {
         return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
@@ -126,14 +107,14 @@ fn serve(
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
     }
 
-    let tools = tools::Tools::from_params(&cfg).context("tools setup failed")?;
-    let info = info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
-    ui::check(&info)?;
+    let tools = agent::tools::Tools::from_params(&cfg).context("tools setup failed")?;
+    let info = api::info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
+    api::ui::check(&info)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let mut listeners = Vec::new();
         for host in &hosts {
-            listeners.push(Listener::bind(host, port as u16).await?);
+            listeners.push(api::listen::Listener::bind(host, port as u16).await?);
         }
         let engine = engine::spawn(engine::EngineConfig {
             params,
@@ -159,7 +140,7 @@ fn serve(
             lora: conf.lora_adapters.iter().map(|a| (a.path.clone(), a.scale)).collect(),
         });
         for l in &listeners {
-            strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));
+            crate::log::info(&format!("main: server is listening on {}", l.describe()?));
         }
         let mut state = engine.state_watch();
         let load_failed = async move {
@@ -176,9 +157,9 @@ fn serve(
         if let Some(link) = child {
             tokio::spawn(link.follow_engine(engine.clone(), std::sync::Arc::new(info.clone())));
         }
-        let app = http::router_with(engine, info, gcp.as_ref(), agent.routes);
+        let app = api::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
-            tokio::spawn(accept_loop(l, app.clone(), read_timeout(&cfg)));
+            tokio::spawn(api::listen::accept_loop(l, app.clone(), api::listen::read_timeout(&cfg)));
         }
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {
@@ -191,67 +172,4 @@ fn serve(
             }
         }
     })
-}
-
-enum Listener {
-    Tcp(tokio::net::TcpListener),
-    Unix(tokio::net::UnixListener),
-}
-
-impl Listener {
-    /// A host ending in `.sock` is a Unix socket path, as with llama-server.
-    async fn bind(host: &str, port: u16) -> Result<Self> {
-        if host.ends_with(".sock") {
-            let l = tokio::net::UnixListener::bind(host).with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}"))?;
-            return Ok(Self::Unix(l));
-        }
-        let addr = host.trim_start_matches('[').trim_end_matches(']');
-        let l =
-            tokio::net::TcpListener::bind((addr, port)).await.with_context(|| format!("couldn't bind HTTP server socket, hostname: {host}, port: {port}"))?;
-        Ok(Self::Tcp(l))
-    }
-
-    fn describe(&self) -> Result<String> {
-        Ok(match self {
-            Self::Tcp(l) => format!("http://{}", l.local_addr()?),
-            Self::Unix(l) => format!("unix://{}", l.local_addr()?.as_pathname().map(|p| p.display().to_string()).unwrap_or_default()),
-        })
-    }
-}
-
-/// The read timeout of `--timeout` (llama-server's, 600 s by default), in the config's JSON.
-pub fn read_timeout(cfg: &serde_json::Value) -> std::time::Duration {
-    std::time::Duration::from_secs(cfg["timeout_read"].as_u64().filter(|&s| s > 0).unwrap_or(600))
-}
-
-/// HTTP/1.1 with header names in title case, as llama-server (cpp-httplib) writes them: some
-/// clients, the pin's own tests among them, look headers up case-sensitively. A client that
-/// does not finish a request head within `read_timeout` is disconnected, so idle or trickling
-/// connections cannot pile up.
-async fn accept_loop(listener: Listener, app: axum::Router, read_timeout: std::time::Duration) {
-    loop {
-        let accepted = match &listener {
-            Listener::Tcp(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone(), read_timeout)),
-            Listener::Unix(l) => l.accept().await.map(|(s, _)| serve_connection(s, app.clone(), read_timeout)),
-        };
-        if accepted.is_err() {
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-    }
-}
-
-fn serve_connection<S>(stream: S, app: axum::Router, read_timeout: std::time::Duration)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
-    let svc = hyper_util::service::TowerToHyperService::new(app);
-    tokio::spawn(async move {
-        let io = hyper_util::rt::TokioIo::new(stream);
-        let _ = hyper::server::conn::http1::Builder::new()
-            .title_case_headers(true)
-            .timer(hyper_util::rt::TokioTimer::new())
-            .header_read_timeout(read_timeout)
-            .serve_connection(io, svc)
-            .await;
-    });
 }

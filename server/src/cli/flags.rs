@@ -219,7 +219,7 @@ impl StrataArgs {
     /// --max-queued, or its default.
     pub fn max_queued(&self) -> Result<usize, String> {
         match self.get("--max-queued") {
-            None => Ok(crate::admission::DEFAULT_MAX_QUEUED),
+            None => Ok(crate::engine::DEFAULT_MAX_QUEUED),
             Some(v) => v
                 .parse::<usize>()
                 .ok()
@@ -326,7 +326,7 @@ mod tests {
 
     #[test]
     fn max_queued_defaults_and_refuses_nonsense() {
-        assert_eq!(split(&argv("")).unwrap().0.max_queued(), Ok(crate::admission::DEFAULT_MAX_QUEUED));
+        assert_eq!(split(&argv("")).unwrap().0.max_queued(), Ok(crate::engine::DEFAULT_MAX_QUEUED));
         assert_eq!(split(&argv("--max-queued 8")).unwrap().0.max_queued(), Ok(8));
         for bad in ["0", "-1", "x"] {
             let e = split(&argv(&format!("--max-queued {bad}"))).unwrap().0.max_queued().unwrap_err();

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::api::info::{self, ServerInfo};
 use crate::engine::{EngineHandle, State};
-use crate::info::{self, ServerInfo};
 
 pub const CMD_EXIT: &str = "cmd_router_to_child:exit";
 pub const CMD_STATE: &str = "cmd_child_to_router:state:";
@@ -39,7 +39,7 @@ impl ChildLink {
         let out = match strata_ffi::reserve_stdout() {
             Ok(f) => f,
             Err(e) => {
-                eprintln!("srv child: {e}");
+                crate::log::info(&format!("srv child: {e}"));
                 return None;
             }
         };

@@ -19,9 +19,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use crate::error::{ApiError, ErrorType};
-use crate::http::{self, Gate};
-use crate::info::ServerInfo;
+use crate::api::body::parse_body;
+use crate::api::error::{ApiError, ErrorType};
+use crate::api::info::ServerInfo;
+use crate::api::middleware::{gate, not_found, server_header, Gate};
+use crate::api::native::health;
 use models::{Models, RouterConfig};
 
 pub use child::{run_download, ChildLink, ChildMode};
@@ -86,7 +88,7 @@ pub fn is_router(cfg: &Value) -> bool {
 struct RouterApp {
     models: Arc<Models>,
     props: Arc<Value>,
-    convs: Arc<crate::streams::ConvModels>,
+    convs: Arc<crate::api::streams::ConvModels>,
 }
 
 pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts: Vec<String>, port: i64) -> Result<()> {
@@ -119,26 +121,26 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         "cors_proxy_enabled": cfg["ui_mcp_proxy"].as_bool().unwrap_or(false),
     });
     let info = ServerInfo::from_params(cfg, String::new(), 0);
-    crate::ui::check(&info)?;
+    crate::api::ui::check(&info)?;
     if info.cors_origins == "*" && info.api_keys.is_empty() {
-        eprintln!("srv router: security: no API key is set and CORS allows all origins");
+        crate::log::warn("srv router: security: no API key is set and CORS allows all origins");
     }
-    eprintln!("srv router: security: router mode enabled - do not expose to untrusted environments");
+    crate::log::warn("srv router: security: router mode enabled - do not expose to untrusted environments");
 
-    let tools = crate::tools::Tools::from_params(cfg).context("tools setup failed")?;
+    let tools = crate::agent::tools::Tools::from_params(cfg).context("tools setup failed")?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let agent = crate::agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
         let models = Models::new(router_cfg).await.context("failed to initialize router models")?;
         let mut listeners = Vec::new();
         for host in &hosts {
-            listeners.push(crate::Listener::bind(host, port as u16).await?);
+            listeners.push(crate::api::listen::Listener::bind(host, port as u16).await?);
         }
         let app = routes(RouterApp { models: models.clone(), props: Arc::new(props), convs: Arc::default() }, info, agent.routes);
-        eprintln!("srv router: starting server in router mode. models will be automatically loaded on-demand");
+        crate::log::info("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
-            strata_ffi::log_info(&format!("main: server is listening on {}\n", l.describe()?));
-            tokio::spawn(crate::accept_loop(l, app.clone(), crate::read_timeout(cfg)));
+            crate::log::info(&format!("main: server is listening on {}", l.describe()?));
+            tokio::spawn(crate::api::listen::accept_loop(l, app.clone(), crate::api::listen::read_timeout(cfg)));
         }
         tokio::spawn({
             let models = models.clone();
@@ -149,7 +151,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        eprintln!("srv router: cleaning up before exit...");
+        crate::log::info("srv router: cleaning up before exit...");
         models.unload_all().await;
         agent.mcp.close_all().await;
         Ok(())
@@ -159,8 +161,8 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
 /// `extra`: the routes that need no model (tools, CORS proxy), served by the router itself.
 fn routes(app: RouterApp, info: ServerInfo, extra: Router) -> Router {
     let mut r = Router::new()
-        .route("/health", get(http::health))
-        .route("/v1/health", get(http::health))
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
         .route("/props", get(get_props))
         .route("/models", get(list_models).post(download_model).delete(remove_model))
         .route("/v1/models", get(list_models))
@@ -178,10 +180,10 @@ fn routes(app: RouterApp, info: ServerInfo, extra: Router) -> Router {
     let r = r.with_state(app).merge(extra);
     let prefix = info.api_prefix.clone();
     let r = if prefix.is_empty() { r } else { Router::new().nest(&prefix, r) };
-    r.fallback(http::not_found)
-        .layer(axum::middleware::from_fn_with_state(crate::ui::Ui::new(&info), crate::ui::serve))
-        .layer(axum::middleware::from_fn_with_state(Gate { info: Arc::new(info), engine: None }, http::gate))
-        .layer(axum::middleware::map_response(http::server_header))
+    r.fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(crate::api::ui::Ui::new(&info), crate::api::ui::serve))
+        .layer(axum::middleware::from_fn_with_state(Gate { info: Arc::new(info), engine: None }, gate))
+        .layer(axum::middleware::map_response(server_header))
 }
 
 type Params = Query<HashMap<String, String>>;
@@ -220,7 +222,7 @@ async fn route_to(app: &RouterApp, name: &str, autoload: bool, update_last_used:
     if app.models.cfg.fake_timing {
         tokio::time::sleep(models::FAKE_DELAY).await;
     }
-    eprintln!("srv router: proxying request to model {name} on port {port}");
+    crate::log::info(&format!("srv router: proxying request to model {name} on port {port}"));
     Ok(proxy::forward(port, fwd.method, &fwd.uri, &fwd.headers, fwd.body, guard).await)
 }
 
@@ -237,9 +239,9 @@ async fn proxy_post(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let parsed = http::parse_body(&body)?;
+    let parsed = parse_body(&body)?;
     let name = parsed.get("model").and_then(Value::as_str).unwrap_or_default().to_string();
-    let conv = crate::streams::conv_id(&headers);
+    let conv = crate::api::streams::conv_id(&headers);
     let autoload = autoload(&app, &q);
     let fwd = Forward { method: Method::POST, uri, headers, body };
     if conv.is_empty() {
@@ -255,7 +257,7 @@ async fn route_session(app: &RouterApp, name: &str, conv: &str, autoload: bool, 
     let ticket = app.convs.remember(conv, &name);
     let ready = if autoload { Some(app.models.ensure_ready(&name).await?) } else { None };
     if !app.convs.alive(conv, ticket) {
-        eprintln!("srv router: request for conv_id={conv} cancelled while model name={name} was loading");
+        crate::log::info(&format!("srv router: request for conv_id={conv} cancelled while model name={name} was loading"));
         return Err(ApiError::invalid("request cancelled by a stop while the model was loading"));
     }
     let (port, guard) = app.models.begin_request(&name, true)?;
@@ -263,7 +265,7 @@ async fn route_session(app: &RouterApp, name: &str, conv: &str, autoload: bool, 
     if app.models.cfg.fake_timing {
         tokio::time::sleep(models::FAKE_DELAY).await;
     }
-    eprintln!("srv router: proxying request to model {name} on port {port}");
+    crate::log::info(&format!("srv router: proxying request to model {name} on port {port}"));
     Ok(proxy::forward(port, fwd.method, &fwd.uri, &fwd.headers, fwd.body, guard).await)
 }
 
@@ -303,15 +305,17 @@ async fn stream_delete(State(app): State<RouterApp>, Query(q): Params, OriginalU
                 let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
             }
         }
-        Some((name, _)) => eprintln!("srv router: router stop for conv_id={conv} while model name={name} is loading, cancelling the pending request"),
-        None => eprintln!("srv router: router stop for unknown conv_id={conv}, no owning child in the conv map"),
+        Some((name, _)) => {
+            crate::log::info(&format!("srv router: router stop for conv_id={conv} while model name={name} is loading, cancelling the pending request"))
+        }
+        None => crate::log::info(&format!("srv router: router stop for unknown conv_id={conv}, no owning child in the conv map")),
     }
     app.convs.forget(&conv);
-    Ok(crate::streams::no_content())
+    Ok(crate::api::streams::no_content())
 }
 
 async fn streams_lookup(State(app): State<RouterApp>, OriginalUri(uri): OriginalUri, headers: HeaderMap, body: Bytes) -> Json<Value> {
-    let requested = crate::streams::requested_ids(&body).unwrap_or_default();
+    let requested = crate::api::streams::requested_ids(&body).unwrap_or_default();
     let mut per_child: HashMap<String, Vec<String>> = HashMap::new();
     for id in requested {
         if let Some((name, models::Status::Loaded)) = conv_owner(&app, &id).await {
@@ -354,7 +358,7 @@ async fn list_models(State(app): State<RouterApp>, Query(q): Params) -> Result<J
 }
 
 fn model_field(body: &Bytes) -> Result<String, ApiError> {
-    Ok(http::parse_body(body)?.get("model").and_then(Value::as_str).unwrap_or_default().to_string())
+    Ok(parse_body(body)?.get("model").and_then(Value::as_str).unwrap_or_default().to_string())
 }
 
 fn success() -> Json<Value> {
@@ -394,7 +398,7 @@ async fn download_model(State(app): State<RouterApp>, body: Bytes) -> Result<Jso
     if app.models.has_model(&name) {
         return Err(ApiError::invalid(format!("model '{name}' already exists")));
     }
-    eprintln!("srv router: starting download for model '{name}'");
+    crate::log::info(&format!("srv router: starting download for model '{name}'"));
     app.models.start_download(&name)?;
     Ok(success())
 }

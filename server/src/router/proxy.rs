@@ -22,7 +22,7 @@ fn strip_request_header(name: &str) -> bool {
 }
 
 fn proxy_error(msg: impl std::fmt::Display) -> Response {
-    eprintln!("srv router: http client error: {msg}");
+    crate::log::warn(&format!("srv router: http client error: {msg}"));
     (StatusCode::INTERNAL_SERVER_ERROR, format!("proxy error: {msg}")).into_response()
 }
 

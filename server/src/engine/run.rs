@@ -1,0 +1,187 @@
+//! The engine thread's life: load the model once, then make a context, serve jobs, and free
+//! the context while asleep (--sleep-idle-seconds).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata_ffi::{Context, LoraAdapter, Model, SeqRm, Speculative};
+use tokio::sync::{mpsc, watch};
+
+use super::core::Engine;
+use super::core::{EngineConfig, Shared};
+use super::speculative::new_speculative;
+use super::task::{Job, LoraInfo, State, TaskParams};
+
+pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
+    if let Err(e) = strata_ffi::init_backend(Some(&cfg.params)) {
+        let _ = state.send(State::Failed(e.to_string()));
+        return;
+    }
+    let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = state.send(State::Failed(e));
+            return;
+        }
+    };
+    let model = match cfg.params.model_params().and_then(|mparams| Model::load(&cfg.model_path, &mparams)) {
+        Ok(m) => Arc::new(m),
+        Err(e) => {
+            let _ = state.send(State::Failed(e.to_string()));
+            return;
+        }
+    };
+    let _ = shared.model.set(model.clone());
+    // /props shows a default-made task's settings: the server's sampling, nothing else of its
+    // flags (no speculative types, no reasoning format, no -n)
+    let base = TaskParams { reasoning_format: "none".into(), ..TaskParams::default() };
+    match strata_ffi::sampling_settings(Some(&cfg.params), &serde_json::json!({}), 0) {
+        Ok(mut s) => {
+            s["speculative.types"] = "none".into();
+            let _ = shared.default_settings.set(super::settings::task_settings(&s, &base, -1, true));
+        }
+        Err(e) => {
+            let _ = state.send(State::Failed(e.to_string()));
+            return;
+        }
+    }
+    let mut adapters = Vec::new();
+    let mut infos = Vec::new();
+    for (path, scale) in &cfg.lora {
+        match LoraAdapter::load(&model, path) {
+            Ok(a) => {
+                infos.push(LoraInfo {
+                    path: path.to_string_lossy().into_owned(),
+                    scale: *scale,
+                    task_name: a.meta("adapter.lora.task_name"),
+                    prompt_prefix: a.meta("adapter.lora.prompt_prefix"),
+                    alora_string: a
+                        .alora_invocation_tokens()
+                        .iter()
+                        .map(|&t| String::from_utf8_lossy(&model.vocab().token_to_piece(t, true)).into_owned())
+                        .collect(),
+                    alora_tokens: a.alora_invocation_tokens(),
+                });
+                adapters.push(a);
+            }
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        }
+    }
+    if let Ok(mut l) = shared.lora.lock() {
+        *l = infos;
+    }
+    let mut woken_by: Option<Job> = None;
+    let mut placed = false;
+    loop {
+        let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, with_op_profile(p))) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        };
+        let mut ctx = ctx;
+        if let Some(p) = prepared.as_ref().filter(|_| !placed) {
+            match crate::experts::place(p, &model, cfg.main_gpu) {
+                Ok(r) => *shared.residency.lock().unwrap_or_else(|e| e.into_inner()) = Some(r),
+                Err(e) => {
+                    let _ = state.send(State::Failed(e));
+                    return;
+                }
+            }
+            placed = true;
+        }
+        let spec = match new_speculative(&mut cfg, &mut ctx) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = state.send(State::Failed(e));
+                return;
+            }
+        };
+        let mut spec = spec;
+        let probed = ctx.probe_seq_rm().and_then(|s| Ok((s, spec.as_mut().map_or(Ok(SeqRm::Partial), Speculative::probe_seq_rm)?)));
+        let (seq_rm, draft_seq_rm) = match probed {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = state.send(State::Failed(e.to_string()));
+                return;
+            }
+        };
+        let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, shared, &adapters);
+        let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
+        shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
+        let _ = state.send(State::Ready);
+        if let Some(job) = woken_by.take() {
+            engine.take(job);
+        }
+        match serve_jobs(&mut engine, &mut rx, shared, cfg.sleep_idle) {
+            Some(job) => woken_by = Some(job),
+            None => return,
+        }
+    }
+}
+
+/// What a wait for work ended with.
+pub(super) enum Wait {
+    Job(Job),
+    Idle,
+    Closed,
+}
+
+pub(super) fn wait_for_job(rx: &mut mpsc::Receiver<Job>, limit: Option<Duration>) -> Wait {
+    let Some(limit) = limit else {
+        return rx.blocking_recv().map_or(Wait::Closed, Wait::Job);
+    };
+    let t0 = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(job) => return Wait::Job(job),
+            Err(mpsc::error::TryRecvError::Disconnected) => return Wait::Closed,
+            Err(mpsc::error::TryRecvError::Empty) if t0.elapsed() >= limit => return Wait::Idle,
+            Err(mpsc::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Runs the engine until the channel closes (None), or, with --sleep-idle-seconds, until it
+/// has been idle that long: then the context (KV cache, compute buffers) is freed and the job
+/// that wakes the server is returned. The weights stay loaded.
+pub(super) fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, shared: &Shared, sleep_idle: Option<Duration>) -> Option<Job> {
+    loop {
+        if engine.is_idle() {
+            match wait_for_job(rx, sleep_idle) {
+                Wait::Job(job) => engine.take(job),
+                Wait::Closed => return None,
+                Wait::Idle => {
+                    shared.sleeping.store(true, std::sync::atomic::Ordering::Relaxed);
+                    crate::log::srv(strata_ffi::Verbosity::Info, "handle_sleep", "entering sleeping state");
+                    return rx.blocking_recv();
+                }
+            }
+        }
+        while let Ok(job) = rx.try_recv() {
+            engine.take(job);
+        }
+        engine.run_slot_actions();
+        let worked = engine.step();
+        engine.publish();
+        if !worked && !engine.pending.is_empty() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// STRATA_OP_PROFILE=FILE: per-op times of each prompt batch (diagnostics; runs the graph node by node).
+pub(super) fn with_op_profile(p: strata_ffi::ContextParams) -> strata_ffi::ContextParams {
+    let Some(path) = std::env::var_os("STRATA_OP_PROFILE") else { return p };
+    match p.with_op_profile(std::path::Path::new(&path)) {
+        Ok(p) => p,
+        Err(e) => {
+            crate::log::warn(&format!("STRATA_OP_PROFILE: cannot write {}: {e}", path.to_string_lossy()));
+            p
+        }
+    }
+}
