@@ -90,7 +90,7 @@ fn serve(
     for w in flags::warnings(&strata, experts.is_some(), |v| std::env::var_os(v).is_some()) {
         eprintln!("strata: warning: {w}");
     }
-    let max_queued = strata.max_queued().map_err(|e| anyhow::anyhow!(e))?;
+    let max_queued = strata.max_queued;
     let cfg = params.to_json().context("reading parsed parameters")?;
     let conf = cli::config::ServerConfig::from_json(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };

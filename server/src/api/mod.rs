@@ -21,19 +21,13 @@ pub mod streams;
 pub mod ui;
 pub mod values;
 use self::app::App;
-use self::body::*;
 use self::middleware::*;
 use self::native::*;
-use crate::api::error::ErrorType;
 use crate::api::info::ServerInfo;
-use crate::engine::{EngineHandle, Event, Final, State, Timings};
-use axum::body::Bytes;
+use crate::engine::EngineHandle;
 use axum::extract::DefaultBodyLimit;
-use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::Router;
-use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
 #[cfg(test)]
 pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::api::gcp::Gcp>) -> Router {
@@ -104,11 +98,18 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::a
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::body::{params_from_fields, parse_body};
+    use crate::api::error::ErrorType;
     use crate::engine::generation::StopType;
     use crate::engine::Job;
+    use crate::engine::{Event, Final, State, Timings};
     use axum::body::Body;
+    use axum::body::Bytes;
     use axum::http::Request;
+    use axum::http::StatusCode;
     use http_body_util::BodyExt;
+    use serde_json::{json, Map, Value};
+    use tokio::sync::mpsc;
     use tokio::sync::watch;
     use tower::ServiceExt;
 

@@ -13,7 +13,7 @@
 use serde_json::{json, Map, Value};
 use strata_ffi::{Token, Vocab};
 
-use super::values::{at, elements, get_bool, get_f32, get_i32, get_i64, get_str, get_strings, get_u32, lenient, limited, stoi, strtol};
+use super::values::{at, elements, get_bool, get_f32, get_i32, get_i64, get_str, get_strings, get_u32, lenient, limited, strtol};
 use crate::api::error::ApiError;
 use crate::engine::settings::f32_value;
 
@@ -562,6 +562,7 @@ fn samplers(ev: &mut Eval<'_>, body: &Map<String, Value>) -> Result<(), String> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::values::stoi;
 
     fn eval_plain(body: Value) -> Result<Map<String, Value>, String> {
         let no_schema = |_: &Value| -> Result<String, String> { Ok("root ::= \"{}\"".into()) };

@@ -3,6 +3,7 @@
 //! are rewritten onto it, so llama.cpp sees (and validates) a single setting.
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -12,6 +13,9 @@ pub enum Kind {
 
 /// Rewrites an alias flag's value into llama-server arguments.
 pub type MapFn = fn(&str) -> Result<Vec<String>, String>;
+
+/// Parses a flag's value into its typed field.
+pub type SetFn = fn(&mut StrataArgs, &str) -> Result<(), String>;
 
 /// What a flag or variable does in this build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +35,7 @@ pub struct Flag {
     /// The llama-server arguments this flag stands for, if it is an alias.
     pub maps_to: Option<MapFn>,
     pub effect: Effect,
+    pub set: SetFn,
 }
 
 pub struct EnvVar {
@@ -77,6 +82,10 @@ pub const FLAGS: &[Flag] = &[
         help: "serve cold experts from the memory-mapped model file (the SSD fallback tier)",
         maps_to: None,
         effect: Effect::Experts,
+        set: |a, _| {
+            a.mmap_experts = true;
+            Ok(())
+        },
     },
     Flag {
         name: "--resident-cpu-experts",
@@ -84,6 +93,10 @@ pub const FLAGS: &[Flag] = &[
         help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)",
         maps_to: None,
         effect: Effect::Experts,
+        set: |a, _| {
+            a.resident_cpu_experts = true;
+            Ok(())
+        },
     },
     Flag {
         name: "--resident-experts",
@@ -91,6 +104,10 @@ pub const FLAGS: &[Flag] = &[
         help: "page-lock the RAM expert copy (CUDA; keeps 4 GiB of headroom)",
         maps_to: None,
         effect: Effect::Experts,
+        set: |a, _| {
+            a.resident_experts = true;
+            Ok(())
+        },
     },
     Flag {
         name: "--expert-profile",
@@ -98,6 +115,10 @@ pub const FLAGS: &[Flag] = &[
         help: "fixed, ranked expert profile written by tools/expert-profile",
         maps_to: None,
         effect: Effect::Experts,
+        set: |a, v| {
+            a.expert_profile = Some(v.into());
+            Ok(())
+        },
     },
     Flag {
         name: "--expert-profile-out",
@@ -105,6 +126,10 @@ pub const FLAGS: &[Flag] = &[
         help: "count expert selections and write them as a ranked profile to FILE after every request (tools/expert-profile uses it)",
         maps_to: None,
         effect: Effect::Experts,
+        set: |a, v| {
+            a.expert_profile_out = Some(v.into());
+            Ok(())
+        },
     },
     Flag {
         name: "--expert-cache",
@@ -112,14 +137,23 @@ pub const FLAGS: &[Flag] = &[
         help: "experts kept in VRAM: auto fills what --vram-reserve-mib leaves after weights, KV and compute buffers",
         maps_to: None,
         effect: Effect::Experts,
+        set: set_expert_cache,
     },
-    Flag { name: "--prefill", kind: Kind::Value("N"), help: "prompt tokens per step; same as -b N -ub N", maps_to: Some(map_prefill), effect: Effect::Active },
+    Flag {
+        name: "--prefill",
+        kind: Kind::Value("N"),
+        help: "prompt tokens per step; same as -b N -ub N",
+        maps_to: Some(map_prefill),
+        effect: Effect::Active,
+        set: alias,
+    },
     Flag {
         name: "--spec",
         kind: Kind::Value("N"),
         help: "tokens to draft per step; same as --spec-draft-n-max N",
         maps_to: Some(map_spec),
         effect: Effect::Active,
+        set: alias,
     },
     Flag {
         name: "--spec-min-p",
@@ -127,23 +161,56 @@ pub const FLAGS: &[Flag] = &[
         help: "minimum draft probability; same as --spec-draft-p-min P",
         maps_to: Some(map_spec_min_p),
         effect: Effect::Active,
+        set: alias,
     },
-    Flag { name: "--max-context", kind: Kind::Value("N"), help: "context size; same as -c N", maps_to: Some(map_max_context), effect: Effect::Active },
+    Flag {
+        name: "--max-context",
+        kind: Kind::Value("N"),
+        help: "context size; same as -c N",
+        maps_to: Some(map_max_context),
+        effect: Effect::Active,
+        set: alias,
+    },
     Flag {
         name: "--kv",
         kind: Kind::Value("int8|f16"),
         help: "KV cache type; int8 is -ctk q8_0 -ctv q8_0, f16 is -ctk f16 -ctv f16",
         maps_to: Some(map_kv),
         effect: Effect::Active,
+        set: alias,
     },
-    Flag { name: "--kv-resident", kind: Kind::Value("N"), help: "tokens of KV kept resident in VRAM", maps_to: None, effect: Effect::NotYet },
-    Flag { name: "--pool-workers", kind: Kind::Value("N"), help: "CPU workers computing cold experts during decode", maps_to: None, effect: Effect::Experts },
+    Flag {
+        name: "--kv-resident",
+        kind: Kind::Value("N"),
+        help: "tokens of KV kept resident in VRAM",
+        maps_to: None,
+        effect: Effect::NotYet,
+        set: |a, v| {
+            a.kv_resident = Some(number(v)?);
+            Ok(())
+        },
+    },
+    Flag {
+        name: "--pool-workers",
+        kind: Kind::Value("N"),
+        help: "CPU workers computing cold experts during decode",
+        maps_to: None,
+        effect: Effect::Experts,
+        set: |a, v| {
+            a.pool_workers = Some(number(v)?);
+            Ok(())
+        },
+    },
     Flag {
         name: "--adapt-every",
         kind: Kind::Value("N"),
         help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)",
         maps_to: None,
         effect: Effect::NotYet,
+        set: |a, v| {
+            a.adapt_every = Some(number(v)?);
+            Ok(())
+        },
     },
     Flag {
         name: "--pcie-frac",
@@ -151,6 +218,7 @@ pub const FLAGS: &[Flag] = &[
         help: "share of decode misses uploaded over PCIe instead of computed on the CPU (0 = none)",
         maps_to: None,
         effect: Effect::Experts,
+        set: set_pcie_frac,
     },
     Flag {
         name: "--max-queued",
@@ -158,8 +226,19 @@ pub const FLAGS: &[Flag] = &[
         help: "most tasks waiting for a slot; a request past it gets 503 with Retry-After (default 4096)",
         maps_to: None,
         effect: Effect::Active,
+        set: set_max_queued,
     },
-    Flag { name: "--vram-reserve-mib", kind: Kind::Value("N"), help: "VRAM left free for other processes, in MiB", maps_to: None, effect: Effect::Experts },
+    Flag {
+        name: "--vram-reserve-mib",
+        kind: Kind::Value("N"),
+        help: "VRAM left free for other processes, in MiB",
+        maps_to: None,
+        effect: Effect::Experts,
+        set: |a, v| {
+            a.vram_reserve_mib = Some(number(v)?);
+            Ok(())
+        },
+    },
 ];
 
 pub const ENV_VARS: &[EnvVar] = &[
@@ -195,38 +274,93 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD", effect: Effect::NotYet },
 ];
 
-/// Strata flag values, by flag name; switches hold "".
-#[derive(Debug, Default, Clone, PartialEq)]
+/// Strata's flags, parsed once from the table: typed values, and every flag given as written (for
+/// warnings and for a router's children).
+#[derive(Debug, Clone, PartialEq)]
 pub struct StrataArgs {
-    pub values: Vec<(&'static str, String)>,
+    /// Each Strata flag given and its value as written ("" for a switch), in order.
+    pub given: Vec<(&'static str, String)>,
+    pub mmap_experts: bool,
+    pub resident_cpu_experts: bool,
+    pub resident_experts: bool,
+    pub expert_profile: Option<PathBuf>,
+    pub expert_profile_out: Option<PathBuf>,
+    pub expert_cache: Option<CacheSize>,
+    pub kv_resident: Option<u64>,
+    pub pool_workers: Option<i32>,
+    pub adapt_every: Option<u64>,
+    pub pcie_frac: Option<f64>,
+    pub max_queued: usize,
+    pub vram_reserve_mib: Option<u64>,
+}
+
+/// --expert-cache: `auto` (what VRAM allows) or a number of experts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheSize {
+    Auto,
+    Experts(u64),
+}
+
+impl Default for StrataArgs {
+    fn default() -> Self {
+        StrataArgs {
+            given: Vec::new(),
+            mmap_experts: false,
+            resident_cpu_experts: false,
+            resident_experts: false,
+            expert_profile: None,
+            expert_profile_out: None,
+            expert_cache: None,
+            kv_resident: None,
+            pool_workers: None,
+            adapt_every: None,
+            pcie_frac: None,
+            max_queued: crate::engine::DEFAULT_MAX_QUEUED,
+            vram_reserve_mib: None,
+        }
+    }
 }
 
 impl StrataArgs {
     /// Flags taken that are not aliases of a llama-server flag.
     pub fn own_flags(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.values.iter().filter(|(n, _)| FLAGS.iter().any(|f| f.name == *n && f.maps_to.is_none())).map(|(n, _)| *n)
-    }
-
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.values.iter().rev().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        self.given.iter().filter(|(n, _)| FLAGS.iter().any(|f| f.name == *n && f.maps_to.is_none())).map(|(n, _)| *n)
     }
 
     #[cfg(test)]
     pub fn is_set(&self, name: &str) -> bool {
-        self.get(name).is_some()
+        self.given.iter().any(|(n, _)| *n == name)
     }
+}
 
-    /// --max-queued, or its default.
-    pub fn max_queued(&self) -> Result<usize, String> {
-        match self.get("--max-queued") {
-            None => Ok(crate::engine::DEFAULT_MAX_QUEUED),
-            Some(v) => v
-                .parse::<usize>()
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("error while handling argument \"--max-queued\": expected a positive integer, got '{v}'")),
-        }
+fn alias(_: &mut StrataArgs, _: &str) -> Result<(), String> {
+    Ok(())
+}
+
+fn number<T: std::str::FromStr>(v: &str) -> Result<T, String> {
+    v.trim().parse::<T>().map_err(|_| format!("invalid value '{v}'"))
+}
+
+fn set_expert_cache(a: &mut StrataArgs, v: &str) -> Result<(), String> {
+    a.expert_cache = Some(match v {
+        "auto" => CacheSize::Auto,
+        n => CacheSize::Experts(n.parse().map_err(|_| format!("invalid value '{n}': expected auto or a number of experts"))?),
+    });
+    Ok(())
+}
+
+fn set_pcie_frac(a: &mut StrataArgs, v: &str) -> Result<(), String> {
+    let f: f64 = number(v)?;
+    if !(0.0..=1.0).contains(&f) {
+        return Err(format!("{f} is not between 0 and 1"));
     }
+    a.pcie_frac = Some(f);
+    Ok(())
+}
+
+fn set_max_queued(a: &mut StrataArgs, v: &str) -> Result<(), String> {
+    a.max_queued = v.parse::<usize>().ok().filter(|&n| n > 0).ok_or_else(|| format!("expected a positive integer, got '{v}'"))?;
+    Ok(())
 }
 
 /// Splits argv into Strata's flags and the arguments for llama.cpp's parser (argv[0] kept),
@@ -258,7 +392,8 @@ pub fn split(args: &[String]) -> Result<(StrataArgs, Vec<String>), String> {
             let mapped = map(&value).map_err(|e| format!("error while handling argument \"{name}\": {e}"))?;
             rest.extend(mapped);
         }
-        strata.values.push((flag.name, value));
+        (flag.set)(&mut strata, &value).map_err(|e| format!("error while handling argument \"{name}\": {e}"))?;
+        strata.given.push((flag.name, value));
     }
     Ok((strata, rest))
 }
@@ -276,6 +411,23 @@ pub fn help_section() -> String {
     s.push_str("\nenvironment:\n");
     for e in ENV_VARS {
         let _ = writeln!(s, "{:<40}{}{}", e.name, e.help, not_yet(e.effect));
+    }
+    s
+}
+
+/// docs/flags.md: the same table as `--help`, as Markdown.
+pub fn markdown() -> String {
+    let mut s = String::from("# Strata's own flags and variables\n\nGenerated from `server/src/cli/flags.rs` (the table that also parses them and writes `--help`);\n`cargo test -p strata-server docs_flags` fails when this file and the table differ\n(`STRATA_BLESS=1` rewrites it).\n\n| flag | what it does |\n|---|---|\n");
+    for f in FLAGS {
+        let left = match f.kind {
+            Kind::Switch => format!("`{}`", f.name),
+            Kind::Value(hint) => format!("`{} {hint}`", f.name),
+        };
+        let _ = writeln!(s, "| {left} | {}{} |", f.help.replace('|', "\\|"), not_yet(f.effect));
+    }
+    s.push_str("\n| environment variable | what it does |\n|---|---|\n");
+    for e in ENV_VARS {
+        let _ = writeln!(s, "| `{}` | {}{} |", e.name, e.help.replace('|', "\\|"), not_yet(e.effect));
     }
     s
 }
@@ -311,7 +463,7 @@ mod tests {
     #[test]
     fn passes_llama_flags_through_untouched() {
         let (strata, rest) = split(&argv("-m x.gguf -ngl 99 --port 0")).unwrap();
-        assert!(strata.values.is_empty());
+        assert!(strata.given.is_empty());
         assert_eq!(rest, argv("-m x.gguf -ngl 99 --port 0"));
     }
 
@@ -319,17 +471,17 @@ mod tests {
     fn takes_strata_flags_and_maps_aliases() {
         let (strata, rest) = split(&argv("--mmap-experts -m x.gguf --prefill 8192 --kv int8 --expert-cache=auto --spec 4")).unwrap();
         assert!(strata.is_set("--mmap-experts"));
-        assert_eq!(strata.get("--expert-cache"), Some("auto"));
-        assert_eq!(strata.get("--prefill"), Some("8192"));
+        assert_eq!(strata.expert_cache, Some(CacheSize::Auto));
+        assert!(strata.is_set("--prefill"));
         assert_eq!(rest, argv("-m x.gguf --batch-size 8192 --ubatch-size 8192 --cache-type-k q8_0 --cache-type-v q8_0 --spec-draft-n-max 4"));
     }
 
     #[test]
     fn max_queued_defaults_and_refuses_nonsense() {
-        assert_eq!(split(&argv("")).unwrap().0.max_queued(), Ok(crate::engine::DEFAULT_MAX_QUEUED));
-        assert_eq!(split(&argv("--max-queued 8")).unwrap().0.max_queued(), Ok(8));
+        assert_eq!(split(&argv("")).unwrap().0.max_queued, crate::engine::DEFAULT_MAX_QUEUED);
+        assert_eq!(split(&argv("--max-queued 8")).unwrap().0.max_queued, 8);
         for bad in ["0", "-1", "x"] {
-            let e = split(&argv(&format!("--max-queued {bad}"))).unwrap().0.max_queued().unwrap_err();
+            let e = split(&argv(&format!("--max-queued {bad}"))).unwrap_err();
             assert!(e.contains("--max-queued") && e.contains(bad), "{e}");
         }
     }
@@ -338,6 +490,10 @@ mod tests {
     fn missing_value_and_bad_kv_are_errors() {
         assert!(split(&argv("--expert-profile")).unwrap_err().contains("expected value"));
         assert!(split(&argv("--kv int4")).unwrap_err().contains("expected int8 or f16"));
+        let e = split(&argv("--expert-cache lots")).unwrap_err();
+        assert!(e.contains("\"--expert-cache\"") && e.contains("invalid value 'lots'"), "{e}");
+        assert!(split(&argv("--pcie-frac 2")).unwrap_err().contains("between 0 and 1"));
+        assert!(split(&argv("--pool-workers many")).unwrap_err().contains("\"--pool-workers\": invalid value 'many'"));
     }
 
     #[test]
@@ -367,6 +523,16 @@ mod tests {
             ]
         );
         assert_eq!(warnings(&strata, true, |_| false), ["--adapt-every is accepted but has no effect in this build yet"]);
+    }
+
+    #[test]
+    fn docs_flags_md_is_the_table() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/flags.md");
+        if std::env::var_os("STRATA_BLESS").is_some() {
+            std::fs::write(&path, markdown()).unwrap();
+        }
+        let have = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(have == markdown(), "docs/flags.md differs from the flag table; STRATA_BLESS=1 cargo test -p strata-server docs_flags rewrites it");
     }
 
     /// Every STRATA_ variable the server's crates read is in ENV_VARS, and every entry that is

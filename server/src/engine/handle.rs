@@ -158,13 +158,12 @@ impl EngineHandle {
         }
     }
 
-    /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
-    #[cfg(test)]
     /// The expert residency's `strata:*` lines for /metrics (empty without expert tiers).
     pub fn expert_metrics(&self) -> String {
         self.residency.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(Residency::metrics_text).unwrap_or_default()
     }
 
+    /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {
         Self {

@@ -25,6 +25,7 @@ mod task;
 
 pub use admission::DEFAULT_MAX_QUEUED;
 pub use core::EngineConfig;
+#[cfg(test)]
 pub use embed::normalize_embedding;
 pub use handle::{spawn, EngineHandle};
 pub use task::*;

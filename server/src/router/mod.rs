@@ -69,7 +69,7 @@ const PROXY_GET: &[&str] = &["/metrics", "/lora-adapters", "/slots"];
 /// Strata's own flags (aliases are already llama.cpp flags), for an instance's command line.
 pub fn own_flag_args(strata: &crate::cli::flags::StrataArgs) -> Vec<String> {
     let mut out = Vec::new();
-    for (name, value) in &strata.values {
+    for (name, value) in &strata.given {
         let Some(flag) = crate::cli::flags::FLAGS.iter().find(|f| f.name == *name && f.maps_to.is_none()) else { continue };
         out.push(name.to_string());
         if flag.kind != crate::cli::flags::Kind::Switch {
