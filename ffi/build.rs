@@ -26,7 +26,7 @@ const DEFAULT_HIP_TARGETS: &str = "gfx1100";
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let repo = manifest.parent().unwrap().to_path_buf();
-    for p in ["vendor/pin.env", "vendor/fetch", "patches", "ffi/shim"] {
+    for p in ["vendor/pin.env", "vendor/fetch", "patches", "kernels", "ffi/shim"] {
         println!("cargo:rerun-if-changed={}", repo.join(p).display());
     }
     println!("cargo:rerun-if-env-changed=STRATA_CUDA_ARCHS");

@@ -42,6 +42,7 @@ fn a_series_with_a_broken_patch_is_refused_and_a_good_one_applies_once() {
     let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
     assert_eq!(code, 0, "{err}");
     assert!(out.join("include/strata-hooks.h").exists());
+    assert!(out.join("ggml/src/ggml-cuda/strata/host-ops.cuh").exists());
     let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
     assert_eq!(code, 0);
     assert!(!err.contains("applying"), "a second run must be a no-op: {err}");
@@ -58,6 +59,41 @@ fn a_series_with_a_broken_patch_is_refused_and_a_good_one_applies_once() {
     assert_eq!(code, 4, "{err}");
     assert!(err.contains("patch 9999-broken.patch does not apply"), "{err}");
     assert!(out.join("include/strata-hooks.h").exists(), "a failed re-apply must keep the last good tree");
+}
+
+#[test]
+fn the_kernels_the_patches_include_are_installed_and_a_change_to_them_re_applies() {
+    let dir = tmp("fetch-kernels");
+    let kernels = dir.join("kernels");
+    let out = dir.join("out");
+    assert!(Command::new("cp").arg("-R").arg(repo().join("kernels")).arg(&kernels).status().unwrap().success());
+    let (code, err) = fetch(&[("STRATA_KERNELS", &kernels), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 0, "{err}");
+    let cu = std::fs::read_to_string(out.join("ggml/src/ggml-cuda/ggml-cuda.cu")).unwrap();
+    let included: Vec<&str> = cu.lines().filter_map(|l| l.strip_prefix("#include \"strata/")).map(|l| l.trim_end_matches('"')).collect();
+    assert!(included.len() >= 2, "{included:?}");
+    for f in &included {
+        let installed = std::fs::read(out.join("ggml/src/ggml-cuda/strata").join(f)).unwrap();
+        assert_eq!(installed, std::fs::read(kernels.join("cuda").join(f)).unwrap(), "{f}");
+    }
+
+    std::fs::write(kernels.join("README.md"), "not part of the build\n").unwrap();
+    let (code, err) = fetch(&[("STRATA_KERNELS", &kernels), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(!err.contains("applying"), "the README is not part of the build: {err}");
+
+    let changed = kernels.join("cuda").join(included[0]);
+    let mut src = std::fs::read_to_string(&changed).unwrap();
+    src.push_str("// changed\n");
+    std::fs::write(&changed, &src).unwrap();
+    let (code, err) = fetch(&[("STRATA_KERNELS", &kernels), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("applying"), "a changed kernel must re-apply: {err}");
+    assert_eq!(std::fs::read_to_string(out.join("ggml/src/ggml-cuda/strata").join(included[0])).unwrap(), src);
+
+    let (code, err) = fetch(&[("STRATA_KERNELS", &dir.join("none")), ("STRATA_VENDOR_OUT", &out)]);
+    assert_eq!(code, 4, "{err}");
+    assert!(err.contains("no kernels/install"), "{err}");
 }
 
 #[test]
@@ -119,6 +155,7 @@ fn repin_reports_applied_fuzzed_and_failed() {
     let (code, report) = repin(&mini_tree("repin-same"));
     assert_eq!(code, 0, "{report}");
     assert!(results(&report).iter().all(|r| *r == "applied"), "{report}");
+    assert!(report.lines().last().unwrap().ends_with(" kernels/"), "{report}");
 
     let fuzzy = mini_tree("repin-fuzzy");
     edit(&fuzzy.join("src/llama-model.cpp"), "#include \"llama-ext.h\"", "#include \"llama-ext-renamed.h\"");
