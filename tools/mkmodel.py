@@ -8,7 +8,7 @@
          [--alora-tokens T,...]]
 
 ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp,
-bert, bert-rerank).
+qwen4exp, bert, bert-rerank).
 A preset is a plain dict of hyperparameters; SHAPES holds named overrides
 (--shape) for bigger variants of a preset. Command line options override both.
 
@@ -44,6 +44,39 @@ falls back to q4_k). Other non-expert matrices whose row length is not a
 multiple of the requested block size fall back to q8_0, then f16. Routers,
 norms and other vectors are f32.
 
+qwen4exp
+--------
+The pin's qwen4exp architecture (src/models/qwen4exp.cpp, Qwen3.8-Flash-Next):
+gated delta net (linear attention) layers with a full-attention layer every
+full_attn_interval-th layer, QSA sparse attention on every full-attention
+layer (a lightning indexer scoring mean-pooled blocks of compress_ratio keys),
+hyper-connections (hc_count residual streams, a low-rank gated mixer before the
+token mixer and before the FFN, and a final mixer in place of output_norm, so
+there is no layer norm anywhere), a MoE with a gated shared expert, one MTP
+block (a QSA layer with its own final mixer) and PLE n-gram hash embeddings on
+one linear layer: per_layer_token_embd is a flat (n_embd_per_layer, rows)
+table that (ple_ngram_size - 1) * ple_heads_per_ngram hash heads index, head h
+owning the row range [offset_h, offset_h + size_h); the sizes are the largest
+primes below ple_head_rows and n_embd = n_embd_per_layer * heads. The layer
+multipliers of the hash are odd 44/45-bit integers drawn from --seed. The pin
+has no qwen4exp vocabulary or chat template, so the preset uses Qwen3.5's
+(ggml-vocab-qwen35.gguf, Qwen3.5-4B.jinja); ple.eos_token_id is the
+vocabulary's EOS. All hyper-connection and PLE norm gammas are 1 (the
+converter folds them to 1 + w) and are stored 1-D (hc_count * n_embd), which
+the loader reshapes.
+
+The default is tiny (4 trunk layers: linear, linear + PLE, linear, QSA; then
+the MTP block; n_embd 64, 16 experts, a 16336-row f16 PLE table of 0.5 MB;
+27 MiB in all, most of it the 152k-token embedding and output matrices). The
+80b-a3b shape is an 80B-A3B-class model (48 layers of 2048, 512 experts top-10
+of width 512, hc 4, 8 PLE heads of 256 and a 16.8M-row PLE table, 4.56 GB at
+q8_0). For a GPU machine with ~40 GB of disk to spare:
+
+    python3 tools/mkmodel.py qwen4exp --shape 80b-a3b --quant iq3_xxs --out qwen4exp-80b.gguf
+
+(35 GiB, a few minutes; the PLE table follows --quant-rest: q8_0 by default,
+q4_k halves it). See docs/qwen4exp-model.md.
+
 Router skew
 -----------
 MoE presets reserve residual channel 0 as a bias channel: every token
@@ -68,7 +101,11 @@ and the bias
 
 Router row e is N(0, 1/n_embd) on channels 1.. and exactly b_e / X0 on
 channel 0, so the router logit of expert e is about N(0, 1) + b_e: a
-Zipf-like routing prior exp(b_e) = (1 + rank_e) ** -S. S = 0 is uniform; the
+Zipf-like routing prior exp(b_e) = (1 + rank_e) ** -S. In qwen4exp the
+hyper-connection mixers would scale channel 0 by a token-dependent gate, so
+the gate rows of channel 0 of every stream are zero as well: the gate is
+sigmoid(0) = 1/2 there, the router sees x_0 ~= X0 / 2, and row e of its router
+has b_e / (X0 / 2) on channel 0. S = 0 is uniform; the
 larger S, the more tokens go to the low-rank experts. MTP/NextN layers get no
 skew. Measured share of tokens routed to each expert, by rank, for the default
 qwen3moe preset (16 experts, top-4; a numpy forward pass over 512 random
@@ -194,6 +231,20 @@ PRESETS: dict[str, dict] = {
         n_ctx=4096, rope_base=10_000_000.0, rms_eps=1e-6,
         tied_output=False, embd_std=1.0, bias_channel=True,
     ),
+    # the pin has no qwen4exp vocabulary or template: Qwen3.5's
+    "qwen4exp": dict(
+        arch="qwen4exp", vocab="qwen35", template="Qwen3.5-4B.jinja",
+        n_layer=4, n_nextn=1, full_attn_interval=4,
+        n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_rot=16, rope_sections=[3, 3, 2, 0],
+        n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff_shexp=64,
+        ssm_d_conv=4, ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4,
+        hc_count=4, hc_low_rank=32,
+        # 4 heads of 128: a shape the CUDA lightning indexer takes
+        indexer_n_head=4, indexer_head_dim=128, indexer_top_k=32, compress_ratio=4,
+        ple_layer=1, ple_ngram_size=3, ple_heads_per_ngram=2, ple_conv_kernel=4, ple_head_rows=4096,
+        n_ctx=4096, rope_base=10_000_000.0, rms_eps=1e-6,
+        tied_output=False, embd_std=1.0, bias_channel=True,
+    ),
     # BERT encoders as convert_hf_to_gguf.py writes bge-small / bge-reranker:
     # post-norm LayerNorm blocks with biases, learned absolute positions,
     # non-causal attention, WordPiece vocabulary.
@@ -221,6 +272,16 @@ SHAPES: dict[str, dict[str, dict]] = {
             n_ctx=262144, tied_output=False,
         ),
     },
+    "qwen4exp": {
+        "80b-a3b": dict(
+            n_layer=48, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_rot=64, rope_sections=[11, 11, 10, 0],
+            n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512,
+            ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32,
+            hc_low_rank=64, indexer_top_k=2048,
+            ple_heads_per_ngram=4, ple_head_rows=2_097_152,
+            n_ctx=262144,
+        ),
+    },
 }
 
 
@@ -236,6 +297,7 @@ class TensorSpec:
     col0: float | np.ndarray | None = None  # embd/router: value(s) of input column 0 (per row)
     zero_col0: bool = False       # input column 0 is zero (reads the bias channel)
     zero_row0: bool = False       # output row 0 of every matrix is zero (writes the bias channel)
+    row0_period: int = 0          # with zero_row0: zero every output row at a multiple of this (default ne[1])
     init: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray] | None = None  # f32 tensors
     qtype: int = GT.F32
 
@@ -270,14 +332,16 @@ class Model:
         self.add_kv(key, VT.ARRAY, (vtype, list(values)))
 
     def weight(self, name: str, ne: tuple[int, ...], role: str = "matrix",
-               reads: bool = False, writes: bool = False, **kw) -> None:
-        """reads / writes: the matrix reads the normalized residual / writes into the residual."""
+               reads: bool = False, writes: bool = False, row0_period: int = 0, **kw) -> None:
+        """reads / writes: the matrix reads the normalized residual / writes into the residual.
+        row0_period: the output rows at its multiples are zero (channel 0 of each hyper-connection stream)."""
         std = 1.0 / math.sqrt(ne[0])
         if writes:
             std /= math.sqrt(2 * self.n_layer)
         self.tensors.append(TensorSpec(name, tuple(ne), role, std=std,
                                        zero_col0=reads and self.bias_channel,
-                                       zero_row0=writes and self.bias_channel, **kw))
+                                       zero_row0=(writes or row0_period > 0) and self.bias_channel,
+                                       row0_period=row0_period, **kw))
 
     def vec(self, name: str, ne: tuple[int, ...], init) -> None:
         self.tensors.append(TensorSpec(name, tuple(ne), "f32", init=init))
@@ -318,13 +382,15 @@ def router_bias(seed: int, layer: int, n_expert: int, skew: float) -> np.ndarray
     return (-skew * np.log1p(router_ranks(seed, layer, n_expert))).astype(np.float32)
 
 
-def add_router(m: Model, hp: dict, il: int, skew_layer: bool) -> None:
+def add_router(m: Model, hp: dict, il: int, skew_layer: bool, x0_scale: float = 1.0) -> None:
+    """x0_scale: the router input's channel 0 is x0_scale * X0."""
     n_embd, n_expert = hp["n_embd"], hp["n_expert"]
     col0 = None
     if m.bias_channel:
         col0 = np.zeros(n_expert, dtype=np.float32)
         if skew_layer:
-            col0 = router_bias(hp["seed"], il, n_expert, hp["router_skew"]) / np.float32(bias_channel_x0(n_embd))
+            x0 = x0_scale * bias_channel_x0(n_embd)
+            col0 = router_bias(hp["seed"], il, n_expert, hp["router_skew"]) / np.float32(x0)
     m.weight(f"blk.{il}.ffn_gate_inp.weight", (n_embd, n_expert), role="router", col0=col0)
 
 
@@ -335,7 +401,7 @@ def add_experts(m: Model, hp: dict, il: int) -> None:
     m.weight(f"blk.{il}.ffn_down_exps.weight", (n_ff, n_embd, n_exp), role="expert", writes=True)
 
 
-def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float) -> None:
+def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float, output_norm: bool = True) -> None:
     n_embd = hp["n_embd"]
     m.u32("{arch}.context_length", hp["n_ctx"])
     m.u32("{arch}.embedding_length", n_embd)
@@ -343,7 +409,8 @@ def add_common(m: Model, hp: dict, n_vocab: int, embd_std: float) -> None:
     m.f32("{arch}.rope.freq_base", hp["rope_base"])
     m.tensors.append(TensorSpec("token_embd.weight", (n_embd, n_vocab), "embd", std=embd_std,
                                 col0=BIAS_CHANNEL_VALUE if m.bias_channel else None))
-    m.norm("output_norm.weight", n_embd)
+    if output_norm:
+        m.norm("output_norm.weight", n_embd)
     if not hp["tied_output"]:
         m.weight("output.weight", (n_embd, n_vocab))
 
@@ -476,77 +543,196 @@ def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
         m.norm(p + "post_norm.weight", n_embd)
 
 
-def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
+def add_qwen35_kv(m: Model, hp: dict) -> None:
+    """the hybrid Qwen3.5 keys that qwen35moe and qwen4exp share."""
+    d_state, dt_rank = hp["ssm_d_state"], hp["ssm_dt_rank"]
+    m.u32("{arch}.block_count", hp["n_layer"] + hp["n_nextn"])
+    m.u32("{arch}.nextn_predict_layers", hp["n_nextn"])
+    m.u32("{arch}.feed_forward_length", hp["n_ff_exp"])
+    m.u32("{arch}.attention.head_count", hp["n_head"])
+    m.u32("{arch}.attention.head_count_kv", hp["n_head_kv"])
+    m.u32("{arch}.attention.key_length", hp["head_dim"])
+    m.u32("{arch}.attention.value_length", hp["head_dim"])
+    m.u32("{arch}.rope.dimension_count", hp["n_rot"])
+    m.arr("{arch}.rope.dimension_sections", VT.INT32, hp["rope_sections"])
+    m.u32("{arch}.expert_shared_feed_forward_length", hp["n_ff_shexp"])
+    m.u32("{arch}.ssm.conv_kernel", hp["ssm_d_conv"])
+    m.u32("{arch}.ssm.state_size", d_state)
+    m.u32("{arch}.ssm.group_count", hp["ssm_n_group"])
+    m.u32("{arch}.ssm.time_step_rank", dt_rank)
+    m.u32("{arch}.ssm.inner_size", d_state * dt_rank)
+    m.u32("{arch}.full_attention_interval", hp["full_attn_interval"])
+    add_moe_kv(m, hp)
+
+
+def add_gated_attention(m: Model, hp: dict, p: str) -> None:
     n_embd, hd, nh, nkv = hp["n_embd"], hp["head_dim"], hp["n_head"], hp["n_head_kv"]
-    n_trunk, n_nextn, interval = hp["n_layer"], hp["n_nextn"], hp["full_attn_interval"]
+    m.weight(p + "attn_q.weight", (n_embd, hd * nh * 2), reads=True)  # query and output gate
+    m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
+    m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
+    m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
+    m.norm(p + "attn_q_norm.weight", hd)
+    m.norm(p + "attn_k_norm.weight", hd)
+
+
+def add_gated_delta_net(m: Model, hp: dict, p: str) -> None:
+    n_embd = hp["n_embd"]
     d_conv, d_state, n_group, dt_rank = hp["ssm_d_conv"], hp["ssm_d_state"], hp["ssm_n_group"], hp["ssm_dt_rank"]
     key_dim, value_dim = d_state * n_group, d_state * dt_rank
     conv_dim = 2 * key_dim + value_dim
-    n_ff_sh = hp["n_ff_shexp"]
+    m.weight(p + "attn_qkv.weight", (n_embd, conv_dim), reads=True)
+    m.weight(p + "attn_gate.weight", (n_embd, value_dim), reads=True)
+    m.vec(p + "ssm_conv1d.weight", (d_conv, conv_dim), normal(1.0 / math.sqrt(d_conv)))
+    m.vec(p + "ssm_dt.bias", (dt_rank,), const(0.0))
+    m.vec(p + "ssm_a", (dt_rank,), uniform(-8.0, -1.0))  # -exp(A_log)
+    m.weight(p + "ssm_beta.weight", (n_embd, dt_rank), reads=True)
+    m.weight(p + "ssm_alpha.weight", (n_embd, dt_rank), reads=True)
+    m.norm(p + "ssm_norm.weight", d_state)
+    m.weight(p + "ssm_out.weight", (value_dim, n_embd), writes=True)
 
-    m.u32("{arch}.block_count", n_trunk + n_nextn)
-    m.u32("{arch}.nextn_predict_layers", n_nextn)
-    m.u32("{arch}.feed_forward_length", hp["n_ff_exp"])
-    m.u32("{arch}.attention.head_count", nh)
-    m.u32("{arch}.attention.head_count_kv", nkv)
-    m.u32("{arch}.attention.key_length", hd)
-    m.u32("{arch}.attention.value_length", hd)
-    m.u32("{arch}.rope.dimension_count", hp["n_rot"])
-    m.arr("{arch}.rope.dimension_sections", VT.INT32, hp["rope_sections"])
-    m.u32("{arch}.expert_shared_feed_forward_length", n_ff_sh)
-    m.u32("{arch}.ssm.conv_kernel", d_conv)
-    m.u32("{arch}.ssm.state_size", d_state)
-    m.u32("{arch}.ssm.group_count", n_group)
-    m.u32("{arch}.ssm.time_step_rank", dt_rank)
-    m.u32("{arch}.ssm.inner_size", value_dim)
-    m.u32("{arch}.full_attention_interval", interval)
-    add_moe_kv(m, hp)
+
+def add_moe_shexp(m: Model, hp: dict, il: int, skew_layer: bool, x0_scale: float = 1.0) -> None:
+    n_embd, n_ff_sh = hp["n_embd"], hp["n_ff_shexp"]
+    p = f"blk.{il}."
+    add_router(m, hp, il, skew_layer, x0_scale)
+    add_experts(m, hp, il)
+    m.vec(p + "ffn_gate_inp_shexp.weight", (n_embd,), normal(1.0 / math.sqrt(n_embd)))
+    m.weight(p + "ffn_gate_shexp.weight", (n_embd, n_ff_sh), reads=True)
+    m.weight(p + "ffn_up_shexp.weight", (n_embd, n_ff_sh), reads=True)
+    m.weight(p + "ffn_down_shexp.weight", (n_ff_sh, n_embd), writes=True)
+
+
+def build_qwen35moe(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, n_trunk, n_nextn, interval = hp["n_embd"], hp["n_layer"], hp["n_nextn"], hp["full_attn_interval"]
+    add_qwen35_kv(m, hp)
     add_common(m, hp, n_vocab, hp["embd_std"])
-
-    def attention(p: str) -> None:
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh * 2), reads=True)  # query and output gate
-        m.weight(p + "attn_k.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_v.weight", (n_embd, hd * nkv), reads=True)
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd), writes=True)
-        m.norm(p + "attn_q_norm.weight", hd)
-        m.norm(p + "attn_k_norm.weight", hd)
-
-    def moe(p: str, il: int, skew_layer: bool) -> None:
-        add_router(m, hp, il, skew_layer)
-        add_experts(m, hp, il)
-        m.vec(p + "ffn_gate_inp_shexp.weight", (n_embd,), normal(1.0 / math.sqrt(n_embd)))
-        m.weight(p + "ffn_gate_shexp.weight", (n_embd, n_ff_sh), reads=True)
-        m.weight(p + "ffn_up_shexp.weight", (n_embd, n_ff_sh), reads=True)
-        m.weight(p + "ffn_down_shexp.weight", (n_ff_sh, n_embd), writes=True)
 
     for il in range(n_trunk):
         p = f"blk.{il}."
         m.norm(p + "attn_norm.weight", n_embd)
         m.norm(p + "post_attention_norm.weight", n_embd)
         if (il + 1) % interval == 0:
-            attention(p)
+            add_gated_attention(m, hp, p)
         else:
-            m.weight(p + "attn_qkv.weight", (n_embd, conv_dim), reads=True)
-            m.weight(p + "attn_gate.weight", (n_embd, value_dim), reads=True)
-            m.vec(p + "ssm_conv1d.weight", (d_conv, conv_dim), normal(1.0 / math.sqrt(d_conv)))
-            m.vec(p + "ssm_dt.bias", (dt_rank,), const(0.0))
-            m.vec(p + "ssm_a", (dt_rank,), uniform(-8.0, -1.0))  # -exp(A_log)
-            m.weight(p + "ssm_beta.weight", (n_embd, dt_rank), reads=True)
-            m.weight(p + "ssm_alpha.weight", (n_embd, dt_rank), reads=True)
-            m.norm(p + "ssm_norm.weight", d_state)
-            m.weight(p + "ssm_out.weight", (value_dim, n_embd), writes=True)
-        moe(p, il, True)
+            add_gated_delta_net(m, hp, p)
+        add_moe_shexp(m, hp, il, True)
 
     for il in range(n_trunk, n_trunk + n_nextn):
         p = f"blk.{il}."
         m.norm(p + "attn_norm.weight", n_embd)
         m.norm(p + "post_attention_norm.weight", n_embd)
-        attention(p)
-        moe(p, il, False)
+        add_gated_attention(m, hp, p)
+        add_moe_shexp(m, hp, il, False)
         m.weight(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd))
         m.norm(p + "nextn.enorm.weight", n_embd)
         m.norm(p + "nextn.hnorm.weight", n_embd)
         m.norm(p + "nextn.shared_head_norm.weight", n_embd)
+
+
+def is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def ple_head_vocab_sizes(rows: int, n_heads: int) -> list[int]:
+    """the n_heads largest primes below rows: the row count of each PLE hash head."""
+    out, k = [], rows - 1
+    while len(out) < n_heads:
+        if k < 2:
+            raise SystemExit(f"ple_head_rows {rows} is too small for {n_heads} heads")
+        if is_prime(k):
+            out.append(k)
+        k -= 1
+    return out
+
+
+def ple_layer_multipliers(seed: int, ngram: int) -> list[int]:
+    """odd multipliers of 44 to 45 bits, one per n-gram position."""
+    rng = np.random.default_rng([seed, 0x91E])
+    return [2 * int(x) + 1 for x in rng.integers(1 << 43, 1 << 44, size=ngram)]
+
+
+def qwen4exp_layout(hp: dict) -> tuple[list[bool], int, int]:
+    """which blocks (trunk, then MTP) are full attention, the PLE row width and head count."""
+    n_trunk, interval = hp["n_layer"], hp["full_attn_interval"]
+    full = [(il + 1) % interval == 0 for il in range(n_trunk)] + [True] * hp["n_nextn"]
+    n_heads = (hp["ple_ngram_size"] - 1) * hp["ple_heads_per_ngram"]
+    il = hp["ple_layer"]
+    if not 0 <= il < n_trunk or full[il]:
+        raise SystemExit(f"qwen4exp: ple_layer {il} must be a linear attention trunk layer")
+    if not 2 <= hp["ple_ngram_size"] <= 8 or not 0 < n_heads <= 64 or hp["n_embd"] % n_heads:
+        raise SystemExit(f"qwen4exp: n_embd {hp['n_embd']} must split into 1..64 PLE heads, got {n_heads}")
+    if hp["indexer_head_dim"] < hp["n_rot"]:
+        raise SystemExit("qwen4exp: the indexer head must be at least n_rot wide (its keys are roped)")
+    if hp["compress_ratio"] < 2 or hp["indexer_top_k"] % hp["compress_ratio"]:
+        raise SystemExit("qwen4exp: need compress_ratio >= 2 dividing indexer_top_k")
+    if hp["hc_count"] < 2:
+        raise SystemExit("qwen4exp: hc_count must be at least 2")
+    return full, hp["n_embd"] // n_heads, n_heads
+
+
+def build_qwen4exp(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, n_trunk, n_nextn = hp["n_embd"], hp["n_layer"], hp["n_nextn"]
+    hc, hc_lr = hp["hc_count"], hp["hc_low_rank"]
+    hc_dim = hc * n_embd
+    idx_nh, idx_dim, ratio = hp["indexer_n_head"], hp["indexer_head_dim"], hp["compress_ratio"]
+    full, ple_dim, ple_heads = qwen4exp_layout(hp)
+    sizes = ple_head_vocab_sizes(hp["ple_head_rows"], ple_heads)
+    offsets = [sum(sizes[:h]) for h in range(ple_heads)]
+
+    add_qwen35_kv(m, hp)
+    m.u32("{arch}.hyper_connection.count", hc)
+    m.u32("{arch}.hyper_connection.low_rank", hc_lr)
+    m.u32("{arch}.attention.indexer.head_count", idx_nh)
+    m.u32("{arch}.attention.indexer.key_length", idx_dim)
+    m.u32("{arch}.attention.indexer.top_k", hp["indexer_top_k"])
+    m.arr("{arch}.attention.compress_ratios", VT.UINT32, [ratio if f else 0 for f in full])
+    m.arr("{arch}.ple.layers", VT.UINT32, [hp["ple_layer"]])
+    m.u32("{arch}.ple.ngram_size", hp["ple_ngram_size"])
+    m.u32("{arch}.ple.heads_per_ngram", hp["ple_heads_per_ngram"])
+    m.u32("{arch}.ple.conv_kernel", hp["ple_conv_kernel"])
+    m.u32("{arch}.ple.eos_token_id", hp["eos_token_id"])
+    m.u32("{arch}.embedding_length_per_layer_input", ple_dim)
+    m.arr("{arch}.ple.layer_multipliers", VT.UINT64, ple_layer_multipliers(hp["seed"], hp["ple_ngram_size"]))
+    m.arr("{arch}.ple.head_offsets", VT.UINT64, offsets)
+    m.arr("{arch}.ple.head_vocab_sizes", VT.UINT64, sizes)
+    add_common(m, hp, n_vocab, hp["embd_std"], output_norm=False)  # the final hc mixer is the output norm
+
+    def mixer(p: str, inject: bool) -> None:
+        m.norm(p + "_norm.weight", hc_dim)
+        m.weight(p + "_down.weight", (hc_dim, hc_lr))
+        m.weight(p + "_up.weight", (hc_lr, hc_dim), row0_period=n_embd if inject else 0)
+        if inject:
+            m.weight(p + "_inject.weight", (hc_dim, hc))
+
+    mixer("output_hc", False)
+    m.tensors.append(TensorSpec("per_layer_token_embd.weight", (ple_dim, sum(sizes)), "embd", std=1.0))
+
+    for il in range(n_trunk + n_nextn):
+        p = f"blk.{il}."
+        mixer(p + "hc_attn", True)
+        if full[il]:
+            add_gated_attention(m, hp, p)
+            m.weight(p + "indexer.q_proj.weight", (n_embd, idx_nh * idx_dim), reads=True)
+            m.weight(p + "indexer.k_proj.weight", (n_embd, idx_dim), reads=True)
+            m.norm(p + "indexer.q_norm.weight", idx_dim)
+            m.norm(p + "indexer.k_norm.weight", idx_dim)
+        else:
+            add_gated_delta_net(m, hp, p)
+        if il == hp["ple_layer"]:
+            m.weight(p + "ple_key.weight", (n_embd, hc_dim))
+            m.weight(p + "ple_value.weight", (n_embd, n_embd), writes=True)
+            m.norm(p + "ple_norm_key.weight", hc_dim)
+            m.norm(p + "ple_norm_query.weight", hc_dim)
+            m.norm(p + "ple_norm_conv.weight", hc_dim)
+            m.vec(p + "ple_conv1d.weight", (hp["ple_conv_kernel"], hc_dim),
+                  normal(1.0 / math.sqrt(hp["ple_conv_kernel"])))
+        mixer(p + "hc_ffn", True)
+        add_moe_shexp(m, hp, il, il < n_trunk, x0_scale=0.5)  # the zeroed gate rows: sigmoid(0)
+        if il >= n_trunk:
+            m.weight(p + "nextn.eh_proj.weight", (2 * n_embd, n_embd))
+            m.norm(p + "nextn.enorm.weight", n_embd)
+            m.norm(p + "nextn.hnorm.weight", hc_dim)
+            mixer(p + "nextn.hc_head", False)
 
 
 def build_bert(m: Model, hp: dict, n_vocab: int) -> None:
@@ -605,6 +791,7 @@ BUILDERS = {
     "llama": build_llama,
     "gemma4": build_gemma4,
     "qwen35moe": build_qwen35moe,
+    "qwen4exp": build_qwen4exp,
 }
 
 
@@ -754,7 +941,7 @@ def tensor_chunks(t: TensorSpec, seed: int) -> Iterator[np.ndarray]:
         if t.zero_col0:
             zero_first_element(t.qtype, data)
         if t.zero_row0:
-            data[(np.arange(r0, r0 + r) % t.ne[1]) == 0] = 0
+            data[(np.arange(r0, r0 + r) % (t.row0_period or t.ne[1])) == 0] = 0
         yield data
 
 
@@ -918,6 +1105,8 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
         template = (src / "models" / "templates" / hp["template"]).read_text(encoding="utf-8")
         tok_kv["tokenizer.chat_template"] = pack_kv("tokenizer.chat_template", VT.STRING, template)
     n_vocab = counts["tokenizer.ggml.tokens"]
+    eos = tok_kv.get("tokenizer.ggml.eos_token_id")
+    hp["eos_token_id"] = struct.unpack_from("<I", eos, len(eos) - 4)[0] if eos else 0
     if hp["arch"] == "bert":
         # the token type count is a tokenizer key (convert_hf_to_gguf.py: type_vocab_size);
         # BERT vocabularies carry it, others get BERT's 2
@@ -971,7 +1160,7 @@ def lora_pairs(m: Model, rank: int, alpha: float, targets: list[str], qtype: int
         out.append(TensorSpec(t.name + ".lora_a", (n_in, rank), "matrix", std=std_a,
                               zero_col0=t.zero_col0, qtype=qtype))
         out.append(TensorSpec(t.name + ".lora_b", (rank, n_out), "matrix", std=std_b,
-                              zero_row0=t.zero_row0, qtype=qtype))
+                              zero_row0=t.zero_row0, row0_period=t.row0_period, qtype=qtype))
     missing = [x for x in targets if x not in found]
     if missing:
         raise SystemExit(f"{m.arch}: no 2-D blk.N.<target>.weight matrices for LoRA target(s) {', '.join(missing)}")

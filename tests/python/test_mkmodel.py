@@ -17,7 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import servers
+from strata_tools import post_json, stop  # servers puts tools/ on sys.path
+
 REPO = Path(__file__).resolve().parents[2]
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 spec = importlib.util.spec_from_file_location("mkmodel", REPO / "tools" / "mkmodel.py")
 
 try:
@@ -75,6 +79,12 @@ EXPECTED = {
                           tensors=["blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.3.attn_q.weight",
                                    "blk.4.nextn.eh_proj.weight", "blk.4.nextn.enorm.weight",
                                    "blk.4.nextn.hnorm.weight", "blk.4.ffn_gate_exps.weight"]),
+    "qwen4exp": dict(arch="qwen4exp", kv={"qwen4exp.block_count": 5, "qwen4exp.nextn_predict_layers": 1,
+                                          "qwen4exp.hyper_connection.count": 4,
+                                          "qwen4exp.attention.compress_ratios": [0, 0, 0, 4, 4],
+                                          "qwen4exp.ple.layers": [1]},
+                     tensors=["per_layer_token_embd.weight", "output_hc_norm.weight", "blk.1.ple_conv1d.weight",
+                              "blk.3.indexer.k_proj.weight", "blk.4.nextn.hc_head_up.weight"]),
     "bert": dict(arch="bert", kv={"bert.block_count": 2, "bert.pooling_type": 1, "bert.attention.causal": False,
                                   "bert.context_length": 512, "tokenizer.ggml.token_type_count": 2},
                  tensors=["token_types.weight", "position_embd.weight", "token_embd_norm.bias",
@@ -101,7 +111,7 @@ def test_structure(small, preset):
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
     assert int(ts["token_embd.weight"].shape[1]) == n_vocab
     for t in r.tensors:
-        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "ssm_conv1d" in t.name or t.name in F32_MATRICES:
+        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "conv1d" in t.name or t.name in F32_MATRICES:
             assert t.tensor_type == GT.F32, t.name
         elif "_exps." in t.name:
             assert t.tensor_type == GT.Q8_0, t.name
@@ -243,6 +253,164 @@ def test_big_shape_plan(capsys):
     assert "blk.47.ffn_down_exps.weight" in out and "(512, 2048, 512)" in out
     size_mib = float(out.strip().splitlines()[-1].split("~")[1].split()[0])
     assert 25_000 < size_mib < 35_000
+
+
+def qwen4exp_loader_shapes(hp: dict, n_vocab: int, ple_rows: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """name -> (ne, reshapable) of every tensor llama.cpp's qwen4exp load_arch_tensors creates
+    (src/models/qwen4exp.cpp); a reshapable one may be stored with the same element count."""
+    e, hc, lr = hp["n_embd"], hp["hc_count"], hp["hc_low_rank"]
+    hcd = hc * e
+    hd, nh, nkv = hp["head_dim"], hp["n_head"], hp["n_head_kv"]
+    d_state, nk, nv = hp["ssm_d_state"], hp["ssm_n_group"], hp["ssm_dt_rank"]
+    key_dim, value_dim = d_state * nk, d_state * nv
+    n_exp, ff, ff_sh = hp["n_expert"], hp["n_ff_exp"], hp["n_ff_shexp"]
+    idx_nh, idx_dim = hp["indexer_n_head"], hp["indexer_head_dim"]
+    ple_dim = e // ((hp["ple_ngram_size"] - 1) * hp["ple_heads_per_ngram"])
+    n_layer = hp["n_layer"]
+
+    def mixer(p):
+        return {p + "_norm.weight": ((e, hc), True), p + "_down.weight": ((hcd, lr), False),
+                p + "_up.weight": ((lr, hcd), False)}
+
+    s = {"token_embd.weight": ((e, n_vocab), False), "output.weight": ((e, n_vocab), False),
+         "per_layer_token_embd.weight": ((ple_dim, ple_rows), False), **mixer("output_hc")}
+    for il in range(n_layer + hp["n_nextn"]):
+        p = f"blk.{il}."
+        for m in ("hc_attn", "hc_ffn"):
+            s.update(mixer(p + m))
+            s[p + m + "_inject.weight"] = ((hcd, hc), False)
+        if il >= n_layer or (il + 1) % hp["full_attn_interval"] == 0:
+            s.update({p + "attn_q.weight": ((e, hd * nh * 2), False), p + "attn_k.weight": ((e, hd * nkv), False),
+                      p + "attn_v.weight": ((e, hd * nkv), False), p + "attn_output.weight": ((hd * nh, e), False),
+                      p + "attn_q_norm.weight": ((hd,), False), p + "attn_k_norm.weight": ((hd,), False),
+                      p + "indexer.q_proj.weight": ((e, idx_nh * idx_dim), False),
+                      p + "indexer.k_proj.weight": ((e, idx_dim), False),
+                      p + "indexer.q_norm.weight": ((idx_dim,), False), p + "indexer.k_norm.weight": ((idx_dim,), False)})
+        else:
+            s.update({p + "attn_qkv.weight": ((e, 2 * key_dim + value_dim), False),
+                      p + "attn_gate.weight": ((e, value_dim), False),
+                      p + "ssm_conv1d.weight": ((hp["ssm_d_conv"], 2 * key_dim + value_dim), False),
+                      p + "ssm_dt.bias": ((nv,), False), p + "ssm_a": ((nv,), False),
+                      p + "ssm_beta.weight": ((e, nv), False), p + "ssm_alpha.weight": ((e, nv), False),
+                      p + "ssm_norm.weight": ((d_state,), False), p + "ssm_out.weight": ((value_dim, e), False)})
+        if il == hp["ple_layer"]:
+            s.update({p + "ple_key.weight": ((e, hcd), False), p + "ple_value.weight": ((e, e), False),
+                      p + "ple_norm_key.weight": ((e, hc), True), p + "ple_norm_query.weight": ((e, hc), True),
+                      p + "ple_norm_conv.weight": ((e, hc), True),
+                      p + "ple_conv1d.weight": ((hp["ple_conv_kernel"], hcd), False)})
+        s.update({p + "ffn_gate_inp.weight": ((e, n_exp), False), p + "ffn_down_exps.weight": ((ff, e, n_exp), False),
+                  p + "ffn_gate_exps.weight": ((e, ff, n_exp), False), p + "ffn_up_exps.weight": ((e, ff, n_exp), False),
+                  p + "ffn_gate_inp_shexp.weight": ((e,), False), p + "ffn_gate_shexp.weight": ((e, ff_sh), False),
+                  p + "ffn_up_shexp.weight": ((e, ff_sh), False), p + "ffn_down_shexp.weight": ((ff_sh, e), False)})
+        if il >= n_layer:
+            s.update({p + "nextn.eh_proj.weight": ((2 * e, e), False), p + "nextn.enorm.weight": ((e,), False),
+                      p + "nextn.hnorm.weight": ((e, hc), True), **mixer(p + "nextn.hc_head")})
+    return s
+
+
+def test_qwen4exp_matches_loader(small):
+    """every tensor and key that llama.cpp's qwen4exp loader requires, with the shapes and types it checks."""
+    r = small["qwen4exp"]
+    hp = dict(mkmodel.PRESETS["qwen4exp"])
+    a = "qwen4exp."
+    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+    n_heads = (hp["ple_ngram_size"] - 1) * hp["ple_heads_per_ngram"]
+
+    # the PLE arrays must be uint64 (the loader reads them at that width), the rest 32-bit
+    for key in ("ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes"):
+        assert r.fields[a + key].types == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT64], key
+    for key in ("attention.compress_ratios", "ple.layers"):
+        assert r.fields[a + key].types[1] in (gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32), key
+    mult, offsets, sizes = (kv(r, a + k) for k in ("ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes"))
+    assert len(mult) == hp["ple_ngram_size"] and all(m % 2 == 1 and m < 1 << 45 for m in mult)
+    assert len(offsets) == len(sizes) == n_heads
+    assert offsets == [sum(sizes[:h]) for h in range(n_heads)]
+    assert all(mkmodel.is_prime(n) and n < hp["ple_head_rows"] for n in sizes) and len(set(sizes)) == n_heads
+    ple_dim = kv(r, a + "embedding_length_per_layer_input")
+    assert ple_dim * n_heads == hp["n_embd"]   # the PLE key/value projections read n_heads rows of ple_dim
+    assert kv(r, a + "ple.eos_token_id") == kv(r, "tokenizer.ggml.eos_token_id")
+    for key in ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count",
+                "hyper_connection.low_rank", "attention.indexer.head_count", "attention.indexer.key_length",
+                "attention.indexer.top_k", "ple.conv_kernel", "expert_shared_feed_forward_length"):
+        assert kv(r, a + key) > 0, key
+    assert kv(r, a + "hyper_connection.count") > 1
+    assert kv(r, a + "attention.indexer.key_length") >= kv(r, a + "rope.dimension_count")
+    assert kv(r, a + "attention.indexer.top_k") % 4 == 0
+    assert len(kv(r, a + "rope.dimension_sections")) == 4
+    # the PLE conv history is a row of the recurrent cache, which only linear layers have
+    assert (kv(r, a + "ple.layers")[0] + 1) % kv(r, a + "full_attention_interval") != 0
+
+    want = qwen4exp_loader_shapes(hp, n_vocab, sum(sizes))
+    got = {t.name: tuple(int(n) for n in t.shape) for t in r.tensors}
+    assert set(got) == set(want)
+    for name, (ne, reshapable) in want.items():
+        if reshapable:
+            assert int(np.prod(got[name])) == int(np.prod(ne)), name
+        else:
+            assert got[name] == ne, name
+    assert "output_norm.weight" not in got
+
+
+def test_qwen4exp_bias_channel(tmp_path):
+    """stream channel 0 keeps the bias value through the mixers, and the routers see half of X0."""
+    skew = 1.0
+    ts = tensors(gguf.GGUFReader(generate(tmp_path / "q.gguf", "qwen4exp", "--vocab", SMALL_VOCAB,
+                                          "--router-skew", str(skew))))
+    hp = mkmodel.PRESETS["qwen4exp"]
+    e, hc = hp["n_embd"], hp["hc_count"]
+    x0 = 0.5 * mkmodel.bias_channel_x0(e)
+    for il in range(hp["n_layer"] + hp["n_nextn"]):
+        p = f"blk.{il}."
+        for m in ("hc_attn", "hc_ffn"):
+            up = dequant(ts[p + m + "_up.weight"])                   # (hc * n_embd, low_rank)
+            assert np.all(up[::e] == 0) and up.reshape(hc, e, -1)[:, 1:].std() > 0
+        for name in ("ssm_out", "attn_output", "ple_value", "ffn_down_shexp"):
+            if p + name + ".weight" in ts:
+                assert np.all(dequant(ts[p + name + ".weight"])[0] == 0), p + name
+        assert np.all(dequant(ts[p + "ffn_down_exps.weight"])[:, 0, :] == 0)
+        for name in ("attn_qkv", "attn_q", "indexer.q_proj", "indexer.k_proj", "ffn_gate_exps", "ffn_up_shexp"):
+            if p + name + ".weight" in ts:
+                assert np.all(dequant(ts[p + name + ".weight"])[..., 0] == 0), p + name
+        router = dequant(ts[p + "ffn_gate_inp.weight"])
+        if il < hp["n_layer"]:
+            ranks = mkmodel.router_ranks(0, il, hp["n_expert"])
+            np.testing.assert_allclose(router[:, 0] * x0, -skew * np.log1p(ranks), rtol=1e-5, atol=1e-6)
+        else:
+            assert np.all(router[:, 0] == 0)
+
+
+def test_qwen4exp_big_shape_plan(capsys):
+    assert mkmodel.main(["qwen4exp", "--shape", "80b-a3b", "--quant", "iq3_xxs", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.strip().splitlines()[:-1]}
+    assert "(512, 2048, 512)" in rows["blk.47.ffn_down_exps.weight"]
+    assert "blk.48.nextn.eh_proj.weight" in rows and "blk.47.indexer.k_proj.weight" in rows
+    assert "blk.1.ple_conv1d.weight" in rows
+    ple_bytes = int(rows["per_layer_token_embd.weight"].split()[-1])
+    assert ple_bytes > 4 * 2**30
+    size_mib = float(out.strip().splitlines()[-1].split("~")[1].split()[0])
+    assert 30_000 < size_mib < 40_000
+
+
+def test_qwen4exp_loads_and_generates(tmp_path):
+    """the pin's llama.cpp (through strata-server) loads the tiny preset, MTP block included, and generates."""
+    if not SERVER.exists():
+        pytest.skip("strata-server is not built (run tools/setup)")
+    model = generate(tmp_path / "q.gguf", "qwen4exp", "--seed", "10")
+    log = tmp_path / "server.log"
+    with open(log, "wb") as err:
+        proc, url = servers.start(SERVER, ["-m", str(model), "-c", "512", "-t", "2", "--spec-type", "draft-mtp"],
+                                  stderr=err)
+        try:
+            # longer than the QSA budget, so the indexer selects
+            prompt = " ".join(f"word{i}" for i in range(60))
+            out = post_json(url + "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0}, timeout=300)
+        finally:
+            stop(proc)
+    assert out["tokens_predicted"] == 8 and out["content"]
+    assert out["tokens_evaluated"] > mkmodel.PRESETS["qwen4exp"]["indexer_top_k"]
+    text = log.read_text(errors="replace")
+    assert "unused tensor" not in text and "missing tensor" not in text
 
 
 def bert_tensor_shapes(n_vocab: int, rank: bool) -> dict[str, tuple[int, ...]]:
