@@ -416,6 +416,7 @@ pub fn help_section() -> String {
 }
 
 /// docs/flags.md: the same table as `--help`, as Markdown.
+#[cfg(test)]
 pub fn markdown() -> String {
     let mut s = String::from("# Strata's own flags and variables\n\nGenerated from `server/src/cli/flags.rs` (the table that also parses them and writes `--help`);\n`cargo test -p strata-server docs_flags` fails when this file and the table differ\n(`STRATA_BLESS=1` rewrites it).\n\n| flag | what it does |\n|---|---|\n");
     for f in FLAGS {
