@@ -1,5 +1,6 @@
 //! The Rust side of the hook ABI that patches/0001 adds to llama.cpp (`strata-hooks.h`).
-//! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines.
+//! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines
+//! (crate::strata_hooks installs Strata's own).
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,6 +21,49 @@ pub trait Hooks: Send + Sync + 'static {
     /// Graph nodes that `moe_experts` may add to one graph of `model` beyond llama.cpp's own.
     fn graph_extra_nodes(&self, _model: *const sys::llama_model) -> u32 {
         0
+    }
+    /// Whether `ple_rows` supplies the rows of `model`'s PLE table `table`.
+    fn ple_serves(&self, _model: *const sys::llama_model, _table: *const sys::ggml_tensor) -> bool {
+        false
+    }
+    /// Writes the rows a ubatch needs; false lets llama.cpp read them from the table.
+    fn ple_rows(&self, _args: &PleRows<'_>) -> bool {
+        false
+    }
+}
+
+/// One ubatch's PLE rows to supply, valid for the duration of the callback.
+pub struct PleRows<'a> {
+    raw: &'a sys::strata_ple_rows_args,
+}
+
+impl PleRows<'_> {
+    pub fn model(&self) -> *const sys::llama_model {
+        self.raw.model
+    }
+    pub fn table(&self) -> *const sys::ggml_tensor {
+        self.raw.table
+    }
+    pub fn row_bytes(&self) -> usize {
+        self.raw.row_bytes
+    }
+    /// The rows wanted, in order (repeats allowed).
+    pub fn rows(&self) -> &[i32] {
+        if self.raw.rows.is_null() || self.raw.n_rows <= 0 {
+            return &[];
+        }
+        // SAFETY: llama.cpp passes n_rows valid row indices for the duration of the call.
+        unsafe { std::slice::from_raw_parts(self.raw.rows, self.raw.n_rows as usize) }
+    }
+    /// Where the rows go: `rows().len() * row_bytes()` bytes.
+    #[allow(clippy::mut_from_ref)]
+    pub fn dst(&self) -> &mut [u8] {
+        if self.raw.dst.is_null() || self.raw.n_rows <= 0 {
+            return &mut [];
+        }
+        // SAFETY: llama.cpp passes a host buffer of n_rows * row_bytes bytes that nothing else
+        // touches during the call; this view is the only one made of it.
+        unsafe { std::slice::from_raw_parts_mut(self.raw.dst as *mut u8, self.raw.n_rows as usize * self.raw.row_bytes) }
     }
 }
 
@@ -77,6 +121,19 @@ extern "C" fn graph_extra_nodes(user_data: *mut c_void, model: *const sys::llama
     catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).graph_extra_nodes(model))).unwrap_or(0)
 }
 
+extern "C" fn ple_serves(user_data: *mut c_void, model: *const sys::llama_model, table: *const sys::ggml_tensor) -> bool {
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ple_serves(model, table))).unwrap_or(false)
+}
+
+extern "C" fn ple_rows(user_data: *mut c_void, args: *const sys::strata_ple_rows_args) -> bool {
+    if args.is_null() {
+        return false;
+    }
+    // SAFETY: llama.cpp passes a pointer to a live args struct for the duration of the call.
+    let args = PleRows { raw: unsafe { &*args } };
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ple_rows(&args))).unwrap_or(false)
+}
+
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
 pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
     // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
@@ -89,6 +146,8 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         model_freed: Some(model_freed),
         moe_experts: Some(moe_experts),
         graph_extra_nodes: Some(graph_extra_nodes),
+        ple_serves: Some(ple_serves),
+        ple_rows: Some(ple_rows),
     };
     // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
     if unsafe { sys::strata_hooks_set(&table) } != 0 {
@@ -96,11 +155,20 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         let library = unsafe { sys::strata_hooks_abi_version() };
         return Err(AbiMismatch { library, ours: sys::STRATA_HOOKS_ABI_VERSION });
     }
+    INSTALLED.store(true, std::sync::atomic::Ordering::Release);
     Ok(())
+}
+
+static INSTALLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether a hook table is installed.
+pub fn installed() -> bool {
+    INSTALLED.load(std::sync::atomic::Ordering::Acquire)
 }
 
 /// Removes the installed hooks; llama.cpp behaves as upstream again.
 pub fn clear() {
+    INSTALLED.store(false, std::sync::atomic::Ordering::Release);
     // SAFETY: NULL is the documented way to remove the hooks.
     unsafe { sys::strata_hooks_set(std::ptr::null()) };
 }

@@ -19,10 +19,12 @@ mod model;
 pub mod moe;
 mod op_profile;
 mod params;
+pub mod ple;
 mod router;
 mod sampler;
 mod shim_string;
 mod speculative;
+mod strata_hooks;
 
 pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, LogLevel, Verbosity};
 pub use batch::Batch;
@@ -38,6 +40,7 @@ pub use params::{ParseOutcome, ServerParams};
 pub use router::{reserve_stdout, resolve_models, router_check_repo, router_download, router_models, router_remove_cached};
 pub use sampler::{sampling_settings, Sampler};
 pub use speculative::Speculative;
+pub use strata_hooks::install_hooks;
 
 /// Where the build put libllama and the backend modules (for tools that link the same build).
 pub const LLAMA_LIB_DIR: &str = env!("STRATA_LLAMA_LIB_DIR");

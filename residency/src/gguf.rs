@@ -22,7 +22,7 @@ pub const ALIGNMENT_KEY: &str = "general.alignment";
 /// The largest header [`read_info`] will read; real headers, vocabularies included, are tens of MiB.
 pub const MAX_HEADER_BYTES: u64 = 256 << 20;
 
-const MAX_DIMS: usize = 4;
+pub const MAX_DIMS: usize = 4;
 /// ggml's `GGML_MAX_NAME` (64) counts the terminating NUL.
 const MAX_TENSOR_NAME: usize = 63;
 const MAX_ARRAY_DEPTH: u32 = 8;

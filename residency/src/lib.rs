@@ -12,4 +12,5 @@ pub mod gemm;
 pub mod gguf;
 pub mod memguard;
 pub mod plan;
+pub mod ple;
 pub mod profile;

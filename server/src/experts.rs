@@ -128,10 +128,8 @@ pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<
         }
         None => None,
     };
-    if cfg.hot_tier {
-        // Before the model's contexts exist: they size their graphs by the hook's extra nodes.
-        moe::install_hook().map_err(|e| e.to_string())?;
-    }
+    // Before the model's contexts exist: they size their graphs by the hook's extra nodes.
+    strata_ffi::install_hooks().map_err(|e| e.to_string())?;
     Ok(Prepared { cfg: cfg.clone(), layout, sha256, profile })
 }
 

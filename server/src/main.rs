@@ -8,6 +8,7 @@ mod cli;
 mod engine;
 mod experts;
 mod log;
+mod ple;
 mod router;
 
 use cli::flags;
@@ -46,6 +47,16 @@ fn main() -> ExitCode {
     if let Some(c) = &experts {
         parse_args.extend(c.llama_args().iter().map(|a| a.to_string()));
     }
+    if let Some(mode) = strata_args.ple_mode {
+        parse_args.extend(mode.llama_args().iter().map(|a| a.to_string()));
+    }
+    let ple = match ple::config(&strata_args, std::env::var("STRATA_IO_THREADS").ok().as_deref()) {
+        Ok(p) => p,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(1);
+        }
+    };
     if let Err(e) = strata_ffi::common_init() {
         eprintln!("strata-server: error: {e}");
         return ExitCode::from(1);
@@ -71,7 +82,7 @@ fn main() -> ExitCode {
         eprintln!("strata-server: error: {e}");
         return ExitCode::from(1);
     }
-    match serve(params, strata_args, experts, &llama_args, child) {
+    match serve(params, strata_args, experts, ple, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("strata-server: error: {e:#}");
@@ -84,6 +95,7 @@ fn serve(
     params: ServerParams,
     strata: flags::StrataArgs,
     experts: Option<experts::ExpertConfig>,
+    ple: Option<strata_ffi::ple::PleConfig>,
     llama_args: &[String],
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
@@ -126,6 +138,7 @@ fn serve(
             sleep_idle: conf.sleep_idle(),
             ctx_shift: conf.ctx_shift,
             experts,
+            ple,
             max_queued,
             use_mmap: conf.load_mode.maps_the_file(),
             main_gpu: usize::try_from(conf.main_gpu).unwrap_or(0),

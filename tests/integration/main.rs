@@ -11,6 +11,7 @@ mod fetch;
 mod gemma;
 mod hooks;
 mod http;
+mod ple;
 mod responses;
 mod router;
 mod rpc;

@@ -20,9 +20,9 @@ pub mod ring;
 use std::collections::HashMap;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Once, RwLock};
+use std::sync::{Arc, RwLock};
 
-use crate::hooks::{Hooks, MoeExperts};
+use crate::hooks::MoeExperts;
 use crate::model::Model;
 use crate::sys;
 use kernels::{ColdMat, CpuTraits};
@@ -365,41 +365,31 @@ impl Drop for Owned {
 
 /// Tiered layers keyed by the address of their down_exps tensor (unique per model and layer).
 static REGISTRY: RwLock<Option<HashMap<usize, Arc<LayerTiers>>>> = RwLock::new(None);
-static INSTALL: Once = Once::new();
 
-struct MoeHooks;
-
-impl Hooks for MoeHooks {
-    fn model_freed(&self, model: *const sys::llama_model) {
-        if let Ok(mut r) = REGISTRY.write() {
-            if let Some(map) = r.as_mut() {
-                map.retain(|_, lt| lt.model != model as usize);
-            }
+/// Drops the tiers of a model being freed.
+pub(crate) fn forget_model(model: *const sys::llama_model) {
+    if let Ok(mut r) = REGISTRY.write() {
+        if let Some(map) = r.as_mut() {
+            map.retain(|_, lt| lt.model != model as usize);
         }
-    }
-
-    fn moe_experts(&self, args: &MoeExperts<'_>) -> Option<std::ptr::NonNull<sys::ggml_tensor>> {
-        let key = args.raw().down_exps as usize;
-        let lt = REGISTRY.read().ok()?.as_ref()?.get(&key)?.clone();
-        graph::build(args.raw(), &lt)
-    }
-
-    fn graph_extra_nodes(&self, model: *const sys::llama_model) -> u32 {
-        if model.is_null() {
-            return 0;
-        }
-        // llama.cpp passes a loaded model, live for the call.
-        let n = (0..n_blocks(model)).filter(|&il| expert_tensors(model, il).is_some()).count();
-        n as u32 * graph::EXTRA_NODES_PER_LAYER
     }
 }
 
-/// Installs the MoE hook (once per process); without registered layers it changes nothing.
-/// Install it before creating the contexts that will use tiers: they size their graphs by it.
-pub fn install_hook() -> Result<(), crate::hooks::AbiMismatch> {
-    let mut res = Ok(());
-    INSTALL.call_once(|| res = crate::hooks::install(Arc::new(MoeHooks)));
-    res
+/// The tiered experts of one layer, or None for a layer without tiers.
+pub(crate) fn build_experts(args: &MoeExperts<'_>) -> Option<std::ptr::NonNull<sys::ggml_tensor>> {
+    let key = args.raw().down_exps as usize;
+    let lt = REGISTRY.read().ok()?.as_ref()?.get(&key)?.clone();
+    graph::build(args.raw(), &lt)
+}
+
+/// Graph nodes the tiers may add to one graph of `model`.
+pub(crate) fn extra_nodes(model: *const sys::llama_model) -> u32 {
+    if model.is_null() {
+        return 0;
+    }
+    // llama.cpp passes a loaded model, live for the call.
+    let n = (0..n_blocks(model)).filter(|&il| expert_tensors(model, il).is_some()).count();
+    n as u32 * graph::EXTRA_NODES_PER_LAYER
 }
 
 /// Blocks of a loaded model: the trunk, then the NextN (MTP) layers, which may have experts too.
@@ -519,6 +509,8 @@ pub fn expert_counts(model: &Model) -> Vec<(i32, Vec<u64>)> {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlaceError {
+    #[error("Strata's hooks are not installed in llama.cpp (install_hooks before loading the model)")]
+    NoHooks,
     #[error("layer {0} has no routed-expert tensors")]
     NoLayer(i32),
     #[error("layer {layer}: expert {expert} out of range (the layer has {n_expert})")]
@@ -844,9 +836,12 @@ fn start_ring(
 
 /// Places `plan` on `model`: allocates and fills the hot tier (and the RAM copy), registers the
 /// layers with the MoE hook. Layers without an entry in the plan are left to llama.cpp. Call
-/// before the first graph that should use the tiers is built.
+/// before the first graph that should use the tiers is built, with Strata's hooks installed
+/// (crate::install_hooks) before the model was loaded.
 pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, PlaceError> {
-    install_hook()?;
+    if !crate::hooks::installed() {
+        return Err(PlaceError::NoHooks);
+    }
     let layers = expert_layers(model);
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.

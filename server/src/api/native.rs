@@ -159,7 +159,7 @@ pub async fn metrics(AxState(app): AxState<App>) -> Result<Response, ApiError> {
     }
     let metrics = app.engine.metrics();
     let mut m = metrics.lock().map_err(|_| ApiError::server("metrics are unavailable"))?;
-    let body = m.scrape() + &app.engine.expert_metrics();
+    let body = m.scrape() + &app.engine.expert_metrics() + &app.engine.ple_metrics();
     Ok(([(CONTENT_TYPE, "text/plain; version=0.0.4".to_string()), (HeaderName::from_static("process-start-time-unix"), m.t_start.to_string())], body)
         .into_response())
 }

@@ -221,6 +221,25 @@ pub const FLAGS: &[Flag] = &[
         set: set_pcie_frac,
     },
     Flag {
+        name: "--ple-mode",
+        kind: Kind::Value("ssd|mmap|ram"),
+        help: "where a per-layer token embedding (PLE) table lives: ssd = in the file, the rows a batch needs read by STRATA_IO_THREADS direct-I/O workers into a RAM row cache; mmap = in the file, read through the mapping (--lazy-mode on); ram = loaded (--lazy-mode off)",
+        maps_to: None,
+        effect: Effect::Active,
+        set: set_ple_mode,
+    },
+    Flag {
+        name: "--ple-cache-mib",
+        kind: Kind::Value("N"),
+        help: "RAM for PLE rows read with --ple-mode ssd, in MiB (default 256)",
+        maps_to: None,
+        effect: Effect::Active,
+        set: |a, v| {
+            a.ple_cache_mib = number(v)?;
+            Ok(())
+        },
+    },
+    Flag {
         name: "--max-queued",
         kind: Kind::Value("N"),
         help: "most tasks waiting for a slot; a request past it gets 503 with Retry-After (default 4096)",
@@ -271,7 +290,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
     EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP", effect: Effect::NotYet },
     EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)", effect: Effect::NotYet },
-    EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows from SSD", effect: Effect::NotYet },
+    EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows with --ple-mode ssd (default 8)", effect: Effect::Active },
 ];
 
 /// Strata's flags, parsed once from the table: typed values, and every flag given as written (for
@@ -292,6 +311,16 @@ pub struct StrataArgs {
     pub pcie_frac: Option<f64>,
     pub max_queued: usize,
     pub vram_reserve_mib: Option<u64>,
+    pub ple_mode: Option<PleMode>,
+    pub ple_cache_mib: u64,
+}
+
+/// --ple-mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PleMode {
+    Ssd,
+    Mmap,
+    Ram,
 }
 
 /// --expert-cache: `auto` (what VRAM allows) or a number of experts.
@@ -317,6 +346,8 @@ impl Default for StrataArgs {
             pcie_frac: None,
             max_queued: crate::engine::DEFAULT_MAX_QUEUED,
             vram_reserve_mib: None,
+            ple_mode: None,
+            ple_cache_mib: DEFAULT_PLE_CACHE_MIB,
         }
     }
 }
@@ -356,6 +387,29 @@ fn set_pcie_frac(a: &mut StrataArgs, v: &str) -> Result<(), String> {
     }
     a.pcie_frac = Some(f);
     Ok(())
+}
+
+/// --ple-cache-mib's default.
+pub const DEFAULT_PLE_CACHE_MIB: u64 = 256;
+
+fn set_ple_mode(a: &mut StrataArgs, v: &str) -> Result<(), String> {
+    a.ple_mode = Some(match v {
+        "ssd" => PleMode::Ssd,
+        "mmap" => PleMode::Mmap,
+        "ram" => PleMode::Ram,
+        other => return Err(format!("invalid value '{other}': expected ssd, mmap or ram")),
+    });
+    Ok(())
+}
+
+impl PleMode {
+    /// The pin's --lazy-mode that keeps the table where this mode wants it.
+    pub fn llama_args(self) -> [&'static str; 2] {
+        match self {
+            PleMode::Ssd | PleMode::Mmap => ["--lazy-mode", "on"],
+            PleMode::Ram => ["--lazy-mode", "off"],
+        }
+    }
 }
 
 fn set_max_queued(a: &mut StrataArgs, v: &str) -> Result<(), String> {
@@ -491,6 +545,10 @@ mod tests {
     fn missing_value_and_bad_kv_are_errors() {
         assert!(split(&argv("--expert-profile")).unwrap_err().contains("expected value"));
         assert!(split(&argv("--kv int4")).unwrap_err().contains("expected int8 or f16"));
+        assert!(split(&argv("--ple-mode disk")).unwrap_err().contains("expected ssd, mmap or ram"));
+        let (ple, rest) = split(&argv("--ple-mode ssd --ple-cache-mib 64")).unwrap();
+        assert_eq!((ple.ple_mode, ple.ple_cache_mib), (Some(PleMode::Ssd), 64));
+        assert_eq!(rest, argv(""));
         let e = split(&argv("--expert-cache lots")).unwrap_err();
         assert!(e.contains("\"--expert-cache\"") && e.contains("invalid value 'lots'"), "{e}");
         assert!(split(&argv("--pcie-frac 2")).unwrap_err().contains("between 0 and 1"));
@@ -507,20 +565,20 @@ mod tests {
             assert!(h.contains(e.name));
         }
         let marked: Vec<&str> = h.lines().filter(|l| l.ends_with(NOT_YET)).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
-        assert_eq!(marked, ["--kv-resident", "--adapt-every", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING", "STRATA_IO_THREADS"]);
+        assert_eq!(marked, ["--kv-resident", "--adapt-every", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING"]);
     }
 
     #[test]
     fn warnings_name_what_does_nothing() {
         let (strata, _) = split(&argv("--adapt-every 0 --pool-workers 4 --prefill 512")).unwrap();
-        let set = |v: &str| v == "STRATA_IO_THREADS" || v == "STRATA_PREFILL_RING";
+        let set = |v: &str| v == "STRATA_HIPBLASLT_TUNING" || v == "STRATA_PREFILL_RING";
         let w = warnings(&strata, false, set);
         assert_eq!(
             w,
             [
                 "--adapt-every is accepted but has no effect in this build yet",
                 "--pool-workers is accepted but has no effect in this build yet",
-                "STRATA_IO_THREADS is set but has no effect in this build yet",
+                "STRATA_HIPBLASLT_TUNING is set but has no effect in this build yet",
             ]
         );
         assert_eq!(warnings(&strata, true, |_| false), ["--adapt-every is accepted but has no effect in this build yet"]);

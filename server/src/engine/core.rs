@@ -289,6 +289,8 @@ pub struct EngineConfig {
     pub lora: Vec<(PathBuf, f32)>,
     /// The MoE expert residency flags, when any is given.
     pub experts: Option<crate::experts::ExpertConfig>,
+    /// --ple-mode ssd: how the PLE table's rows are read from the file.
+    pub ple: Option<strata_ffi::ple::PleConfig>,
     /// --max-queued: most tasks waiting for a slot before requests get 503.
     pub max_queued: usize,
     /// The model file is mapped (llama.cpp's load mode), which the expert tiers rely on.

@@ -163,6 +163,11 @@ impl EngineHandle {
         self.residency.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(Residency::metrics_text).unwrap_or_default()
     }
 
+    /// The `strata:ple_*` lines for /metrics (empty unless a PLE table is read from the file).
+    pub fn ple_metrics(&self) -> String {
+        crate::ple::metrics_text(strata_ffi::ple::stats())
+    }
+
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.
     #[cfg(test)]
     pub fn from_parts(tx: mpsc::Sender<Job>, state: watch::Receiver<State>) -> Self {

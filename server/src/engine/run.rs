@@ -24,6 +24,27 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
             return;
         }
     };
+    if let Some(ple) = cfg.ple {
+        match strata_ffi::install_hooks().map_err(|e| e.to_string()).and_then(|()| strata_ffi::ple::enable(&cfg.model_path, ple)) {
+            Ok(s) => crate::log::srv(
+                strata_ffi::Verbosity::Info,
+                "load_model",
+                &format!(
+                    "PLE: the table ({} rows of {} bytes, {:.1} MiB) stays in the file; a batch's rows are read by {} {} readers into a {} MiB row cache",
+                    s.n_rows,
+                    s.row_bytes,
+                    s.table_bytes as f64 / (1u64 << 20) as f64,
+                    s.threads,
+                    if s.direct { "direct-I/O" } else { "buffered (the filesystem refused O_DIRECT)" },
+                    ple.cache_bytes >> 20
+                ),
+            ),
+            Err(e) => {
+                let _ = state.send(State::Failed(format!("--ple-mode ssd: {e}")));
+                return;
+            }
+        }
+    }
     let model = match cfg.params.model_params().and_then(|mparams| Model::load(&cfg.model_path, &mparams)) {
         Ok(m) => Arc::new(m),
         Err(e) => {

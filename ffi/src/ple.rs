@@ -1,0 +1,265 @@
+//! PLE rows served from the model file: the mechanism behind `--ple-mode ssd`.
+//!
+//! llama.cpp keeps the table in the file (`--lazy-mode on`) and, through the hook of
+//! patches/0005, asks for the rows each ubatch needs instead of reading the mapping. The rows
+//! come from the RAM row cache or, for misses, from a pool of direct-I/O readers
+//! (residency::direct_io), deduplicated, and are written as the file holds them, so the graph's
+//! get_rows dequantizes exactly the bytes it would have read. A failed read makes llama.cpp
+//! read those rows from the mapping instead; it is logged and counted.
+//!
+//! ```text
+//!   ubatch rows ──> cache ──hit──────────────────────────┐
+//!                     └─miss─> ReadPool (T workers, O_DIRECT) ─> cache ─> dst (table type)
+//! ```
+//!
+//! Missing rows are sorted and rows within COALESCE_GAP of each other read as one range, since
+//! a direct read fetches whole 4 KiB blocks anyway.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use strata_residency::direct_io::{ReadPool, Stats as IoStats, LATENCY_BUCKETS_US};
+use strata_residency::gguf;
+use strata_residency::ple::{PleTable, RowCache};
+
+use crate::hooks::PleRows;
+use crate::sys;
+use crate::Verbosity;
+
+/// How the rows are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PleConfig {
+    /// Reader threads (STRATA_IO_THREADS).
+    pub threads: usize,
+    /// Bytes of rows kept in RAM.
+    pub cache_bytes: u64,
+}
+
+/// What `enable` found and set up, for the start-up log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PleSetup {
+    pub table_bytes: u64,
+    pub row_bytes: u64,
+    pub n_rows: u64,
+    pub threads: usize,
+    /// False when the filesystem refused O_DIRECT and reads are buffered.
+    pub direct: bool,
+}
+
+/// Counters for /metrics, beside the pool's own.
+#[derive(Debug, Default)]
+struct Counters {
+    rows: AtomicU64,
+    cache_hits: AtomicU64,
+    fallbacks: AtomicU64,
+}
+
+struct Provider {
+    table: PleTable,
+    pool: ReadPool,
+    cache: Mutex<RowCache>,
+    counters: Counters,
+}
+
+/// A provider waiting for the model whose table it serves to build its first graph.
+static PENDING: Mutex<Option<Arc<Provider>>> = Mutex::new(None);
+/// Providers by the address of the model they serve.
+static BOUND: RwLock<Option<HashMap<usize, Arc<Provider>>>> = RwLock::new(None);
+
+/// Serves the PLE table of the model at `path` from the file for the next model loaded with that
+/// table. Call before loading it. Errors when the file has no PLE table, a truncated one, or the
+/// readers cannot start.
+pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
+    let info = gguf::read_info(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let table = PleTable::find(&info)?
+        .ok_or_else(|| format!("{}: the model has no per-layer embedding table ({})", path.display(), strata_residency::ple::TABLE_NAME))?;
+    if !crate::hooks::installed() {
+        return Err("Strata's hooks are not installed in llama.cpp (install_hooks before loading the model)".into());
+    }
+    let pool = ReadPool::open(path, cfg.threads, true).map_err(|e| format!("{}: cannot start the PLE readers: {e}", path.display()))?;
+    let setup = PleSetup { table_bytes: table.bytes(), row_bytes: table.row_bytes, n_rows: table.n_rows, threads: pool.threads(), direct: pool.direct() };
+    let provider = Arc::new(Provider { table, pool, cache: Mutex::new(RowCache::new(cfg.cache_bytes)), counters: Counters::default() });
+    *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(provider);
+    Ok(setup)
+}
+
+/// Whether the table's shape and type are the provider's (a draft model's table is not).
+fn matches(p: &Provider, table: *const sys::ggml_tensor) -> bool {
+    if table.is_null() {
+        return false;
+    }
+    // SAFETY: llama.cpp passes a tensor of a loaded model, live for the call.
+    let t = unsafe { &*table };
+    t.ne[0] as u64 == p.table.ne0 && t.ne[1] as u64 == p.table.n_rows && t.type_ == p.table.ggml_type
+}
+
+fn bound(model: *const sys::llama_model) -> Option<Arc<Provider>> {
+    BOUND.read().ok()?.as_ref()?.get(&(model as usize)).cloned()
+}
+
+pub(crate) fn serves(model: *const sys::llama_model, table: *const sys::ggml_tensor) -> bool {
+    if let Some(p) = bound(model) {
+        return matches(&p, table);
+    }
+    let mut pending = PENDING.lock().unwrap_or_else(|e| e.into_inner());
+    if !pending.as_ref().is_some_and(|p| matches(p, table)) {
+        return false;
+    }
+    let Some(p) = pending.take() else { return false };
+    let mut b = BOUND.write().unwrap_or_else(|e| e.into_inner());
+    b.get_or_insert_with(HashMap::new).insert(model as usize, p);
+    true
+}
+
+pub(crate) fn forget_model(model: *const sys::llama_model) {
+    if let Ok(mut b) = BOUND.write() {
+        if let Some(map) = b.as_mut() {
+            map.remove(&(model as usize));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn neighbouring_rows_share_a_read_and_distant_ones_do_not() {
+        let t = PleTable { offset: 1000, row_bytes: 34, n_rows: 1_000_000, ne0: 32, ggml_type: 8 };
+        let s = spans(&t, &[1, 2, 5, 400, 100_000]).unwrap();
+        assert_eq!(s.len(), 2, "rows 1..=400 lie within 16 KiB of each other");
+        assert_eq!((s[0].offset, s[0].len, s[0].rows.clone()), (1000 + 34, 400 * 34, 0..4));
+        assert_eq!((s[1].offset, s[1].len, s[1].rows.clone()), (1000 + 100_000 * 34, 34, 4..5));
+        assert!(spans(&t, &[1_000_000]).unwrap_err().contains("past the table"));
+    }
+}
+
+pub(crate) fn fill(args: &PleRows<'_>) -> bool {
+    let Some(p) = bound(args.model()) else { return false };
+    if args.row_bytes() as u64 != p.table.row_bytes || !matches(&p, args.table()) {
+        return false;
+    }
+    match read_rows(&p, args.rows(), args.dst()) {
+        Ok(()) => true,
+        Err(e) => {
+            p.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+            crate::log(Verbosity::Error, &format!("srv     ple_rows: {e}; these rows are read through the mapping instead\n"));
+            false
+        }
+    }
+}
+
+/// Writes `rows` into `dst` (row_bytes each, in order) from the cache and the readers.
+fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
+    let rb = p.table.row_bytes as usize;
+    if dst.len() != rows.len() * rb {
+        return Err(format!("{} rows need {} bytes, the buffer has {}", rows.len(), rows.len() * rb, dst.len()));
+    }
+    let mut have: HashMap<u32, Arc<[u8]>> = HashMap::new();
+    let mut missing: Vec<u32> = Vec::new();
+    {
+        let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+        for &r in rows {
+            let r = u32::try_from(r).map_err(|_| format!("row {r} out of range"))?;
+            if have.contains_key(&r) || missing.contains(&r) {
+                continue;
+            }
+            match cache.get(r) {
+                Some(b) => {
+                    have.insert(r, b);
+                }
+                None => missing.push(r),
+            }
+        }
+    }
+    p.counters.cache_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
+    if !missing.is_empty() {
+        missing.sort_unstable();
+        let spans = spans(&p.table, &missing)?;
+        let ranges: Vec<(u64, usize)> = spans.iter().map(|s| (s.offset, s.len)).collect();
+        let read = p.pool.submit(&ranges).wait().map_err(|e| format!("reading {} PLE rows: {e}", missing.len()))?;
+        let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+        for (span, bytes) in spans.iter().zip(read) {
+            for &r in &missing[span.rows.clone()] {
+                let at = (p.table.row(r).map_or(0, |(o, _)| o) - span.offset) as usize;
+                let row: Arc<[u8]> = bytes[at..at + rb].into();
+                cache.insert(r, row.clone());
+                have.insert(r, row);
+            }
+        }
+    }
+    for (out, &r) in dst.chunks_exact_mut(rb).zip(rows) {
+        out.copy_from_slice(&have[&(r as u32)]);
+    }
+    p.counters.rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Rows closer than this in the file are read as one range: a direct read costs at least a
+/// 4 KiB block, so neighbouring small rows share it.
+const COALESCE_GAP: u64 = 16 << 10;
+
+/// One read covering the sorted rows `rows` of the missing list.
+#[derive(Debug)]
+struct Span {
+    offset: u64,
+    len: usize,
+    rows: std::ops::Range<usize>,
+}
+
+/// Groups sorted, distinct rows into reads, merging those within COALESCE_GAP of each other.
+fn spans(table: &PleTable, sorted: &[u32]) -> Result<Vec<Span>, String> {
+    let mut out: Vec<Span> = Vec::new();
+    for (i, &r) in sorted.iter().enumerate() {
+        let (off, len) = table.row(r).ok_or_else(|| format!("row {r} past the table's {} rows", table.n_rows))?;
+        match out.last_mut() {
+            Some(s) if off <= s.offset + s.len as u64 + COALESCE_GAP => {
+                s.len = (off + len as u64 - s.offset) as usize;
+                s.rows.end = i + 1;
+            }
+            _ => out.push(Span { offset: off, len, rows: i..i + 1 }),
+        }
+    }
+    Ok(out)
+}
+
+/// A snapshot of the counters of the provider serving `model`'s table (or the one waiting).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PleStats {
+    pub rows: u64,
+    pub cache_hits: u64,
+    pub cache_bytes: u64,
+    pub fallbacks: u64,
+    pub reads: u64,
+    pub bytes_read: u64,
+    pub queued: u64,
+    /// Reads by latency, with the upper bounds of the buckets but the last (µs).
+    pub latency: [u64; 4],
+    pub latency_bounds_us: [u64; 3],
+}
+
+/// The counters of every provider, summed (one model per server in practice); None without one.
+pub fn stats() -> Option<PleStats> {
+    let mut all: Vec<Arc<Provider>> = BOUND.read().ok()?.as_ref().map(|m| m.values().cloned().collect()).unwrap_or_default();
+    all.extend(PENDING.lock().ok()?.clone());
+    if all.is_empty() {
+        return None;
+    }
+    let mut s = PleStats { latency_bounds_us: LATENCY_BUCKETS_US, ..PleStats::default() };
+    for p in all {
+        let io: &IoStats = p.pool.stats();
+        s.rows += p.counters.rows.load(Ordering::Relaxed);
+        s.cache_hits += p.counters.cache_hits.load(Ordering::Relaxed);
+        s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
+        s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
+        s.reads += io.reads.load(Ordering::Relaxed);
+        s.bytes_read += io.bytes.load(Ordering::Relaxed);
+        s.queued += io.queued.load(Ordering::Relaxed) as u64;
+        for (a, b) in s.latency.iter_mut().zip(&io.latency) {
+            *a += b.load(Ordering::Relaxed);
+        }
+    }
+    Some(s)
+}

@@ -1,0 +1,44 @@
+//! The hook table Strata installs in llama.cpp: the expert tiers (crate::moe) and PLE rows
+//! (crate::ple), each a no-op until its module has work for a model.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Once};
+
+use crate::hooks::{self, AbiMismatch, Hooks, MoeExperts, PleRows};
+use crate::sys;
+
+/// Strata's own hooks: MoE expert tiers and PLE rows, each a no-op until its module has work.
+struct Strata;
+
+impl Hooks for Strata {
+    fn model_freed(&self, model: *const sys::llama_model) {
+        crate::moe::forget_model(model);
+        crate::ple::forget_model(model);
+    }
+
+    fn moe_experts(&self, args: &MoeExperts<'_>) -> Option<NonNull<sys::ggml_tensor>> {
+        crate::moe::build_experts(args)
+    }
+
+    fn graph_extra_nodes(&self, model: *const sys::llama_model) -> u32 {
+        crate::moe::extra_nodes(model)
+    }
+
+    fn ple_serves(&self, model: *const sys::llama_model, table: *const sys::ggml_tensor) -> bool {
+        crate::ple::serves(model, table)
+    }
+
+    fn ple_rows(&self, args: &PleRows<'_>) -> bool {
+        crate::ple::fill(args)
+    }
+}
+
+static INSTALL: Once = Once::new();
+
+/// Installs Strata's hooks once per process. Call before loading the models and creating the
+/// contexts that use expert tiers or PLE rows: contexts size their graphs by them.
+pub fn install_hooks() -> Result<(), AbiMismatch> {
+    let mut res = Ok(());
+    INSTALL.call_once(|| res = hooks::install(Arc::new(Strata)));
+    res
+}

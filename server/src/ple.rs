@@ -1,0 +1,88 @@
+//! PLE tables kept in the model file (`--ple-mode ssd`): the settings the engine hands the
+//! mechanism (strata_ffi::ple) and the `strata:ple_*` lines of /metrics.
+
+use strata_ffi::ple::{PleConfig, PleStats};
+
+use crate::cli::flags::{PleMode, StrataArgs};
+
+/// STRATA_IO_THREADS's default: enough readers to keep an NVMe queue busy with one batch's rows.
+pub const DEFAULT_IO_THREADS: usize = 8;
+
+/// The reader settings for `--ple-mode ssd`, None for the other modes. `io_threads` is
+/// STRATA_IO_THREADS as set, if it is.
+pub fn config(a: &StrataArgs, io_threads: Option<&str>) -> Result<Option<PleConfig>, String> {
+    if a.ple_mode != Some(PleMode::Ssd) {
+        return Ok(None);
+    }
+    let threads = match io_threads.map(str::trim).filter(|v| !v.is_empty()) {
+        None => DEFAULT_IO_THREADS,
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| (1..=1024).contains(&n))
+            .ok_or_else(|| format!("STRATA_IO_THREADS: invalid value '{v}': expected 1 to 1024 readers"))?,
+    };
+    Ok(Some(PleConfig { threads, cache_bytes: a.ple_cache_mib << 20 }))
+}
+
+/// The `strata:ple_*` lines for /metrics; empty when no table is served from the file.
+pub fn metrics_text(s: Option<PleStats>) -> String {
+    let Some(s) = s else { return String::new() };
+    let mut out = String::new();
+    let mut one = |name: &str, kind: &str, help: &str, v: u64| {
+        out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
+    };
+    one("ple_rows_total", "counter", "PLE rows supplied to prompt and decode batches", s.rows);
+    one("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits);
+    one("ple_cache_bytes", "gauge", "Bytes of PLE rows held in the RAM row cache", s.cache_bytes);
+    one("ple_reads_total", "counter", "PLE row reads from the model file", s.reads);
+    one(
+        "ple_read_bytes_total",
+        "counter",
+        "Bytes of PLE rows read from the model file (the ranges asked; direct reads widen each to 4 KiB blocks)",
+        s.bytes_read,
+    );
+    one("ple_read_queue", "gauge", "PLE row reads queued or in flight", s.queued);
+    one("ple_fallbacks_total", "counter", "Batches whose PLE rows were read through the mapping after a failed read", s.fallbacks);
+    out += "# HELP strata:ple_read_seconds PLE row read latency\n# TYPE strata:ple_read_seconds histogram\n";
+    let mut cumulative = 0;
+    for (i, n) in s.latency.iter().enumerate() {
+        cumulative += n;
+        let le = s.latency_bounds_us.get(i).map_or("+Inf".to_string(), |us| format!("{}", *us as f64 / 1e6));
+        out += &format!("strata:ple_read_seconds_bucket{{le=\"{le}\"}} {cumulative}\n");
+    }
+    out += &format!("strata:ple_read_seconds_count {cumulative}\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &str) -> StrataArgs {
+        let argv: Vec<String> = std::iter::once("strata-server").chain(v.split_whitespace()).map(String::from).collect();
+        crate::cli::flags::split(&argv).unwrap().0
+    }
+
+    #[test]
+    fn only_ssd_mode_starts_readers_and_bad_thread_counts_are_refused() {
+        assert_eq!(config(&args("--ple-mode mmap"), Some("4")), Ok(None));
+        assert_eq!(config(&args(""), None), Ok(None));
+        assert_eq!(config(&args("--ple-mode ssd"), None), Ok(Some(PleConfig { threads: DEFAULT_IO_THREADS, cache_bytes: 256 << 20 })));
+        assert_eq!(config(&args("--ple-mode ssd --ple-cache-mib 0"), Some("32")), Ok(Some(PleConfig { threads: 32, cache_bytes: 0 })));
+        for bad in ["0", "x", "-2", "5000"] {
+            let e = config(&args("--ple-mode ssd"), Some(bad)).unwrap_err();
+            assert!(e.contains("STRATA_IO_THREADS") && e.contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn metrics_have_a_cumulative_latency_histogram() {
+        assert_eq!(metrics_text(None), "");
+        let s = PleStats { rows: 10, reads: 4, latency: [1, 2, 0, 1], latency_bounds_us: [100, 1000, 10000], ..PleStats::default() };
+        let t = metrics_text(Some(s));
+        assert!(t.contains("strata:ple_rows_total 10\n"), "{t}");
+        assert!(t.contains("strata:ple_read_seconds_bucket{le=\"0.001\"} 3\n"), "{t}");
+        assert!(t.contains("strata:ple_read_seconds_bucket{le=\"+Inf\"} 4\n"), "{t}");
+    }
+}

@@ -1,0 +1,103 @@
+//! --ple-mode ssd: a per-layer embedding table left in the file and read row by row through the
+//! direct-I/O readers gives exactly the tokens and probabilities of the table loaded in RAM.
+
+use std::path::PathBuf;
+
+use serde_json::{json, Value};
+
+use crate::support::{model, run_server, Server};
+
+const MODEL: &str = "tiny-gemma4-ple.gguf";
+/// qwen4exp's table is indexed by hashed n-gram heads, not by token.
+const QWEN4EXP: &str = "tiny-qwen4exp.gguf";
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("strata-ple-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A prompt batch and 24 greedy tokens with their top-5 probabilities.
+fn run(name: &str, extra: &[&str], env: &[(&str, &str)]) -> (Value, String) {
+    let m = model(name);
+    let mut args = vec!["-m", m.to_str().unwrap(), "-c", "512", "-np", "1", "--metrics"];
+    args.extend_from_slice(extra);
+    let s = Server::start(&args, env);
+    let req = json!({"prompt": "The lighthouse keeper counted the ships that passed in the night, one by one", "n_predict": 24, "temperature": 0.0, "n_probs": 5, "return_tokens": true, "cache_prompt": false});
+    let (status, body) = s.post("/completion", &req);
+    assert_eq!(status, 200, "{body}");
+    // a second request repeats most rows: they come from the row cache
+    let (status, _) = s.post("/completion", &req);
+    assert_eq!(status, 200);
+    let metrics = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    (json!({"tokens": body["tokens"], "probs": body["completion_probabilities"]}), metrics)
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    let line = text.lines().find(|l| l.starts_with(&format!("strata:{name} "))).unwrap_or_else(|| panic!("no strata:{name} in\n{text}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn rows_read_from_the_file_give_the_in_ram_tokens_and_probabilities_exactly() {
+    same_as_ram(MODEL);
+}
+
+#[test]
+fn qwen4exp_head_rows_read_from_the_file_match_too() {
+    same_as_ram(QWEN4EXP);
+}
+
+fn same_as_ram(name: &str) {
+    let (ram, ram_metrics) = run(name, &["--ple-mode", "ram"], &[]);
+    assert_eq!(ram["tokens"].as_array().unwrap().len(), 24, "{ram}");
+    assert!(!ram_metrics.contains("strata:ple_"), "no rows are served from the file in ram mode");
+    for (extra, env) in [
+        (vec!["--ple-mode", "ssd"], vec![]),
+        (vec!["--ple-mode", "ssd", "--ple-cache-mib", "0"], vec![("STRATA_IO_THREADS", "1")]),
+        (vec!["--ple-mode", "mmap"], vec![]),
+    ] {
+        let (got, metrics) = run(name, &extra, &env);
+        assert_eq!(got, ram, "{name} {extra:?} {env:?}: tokens or probabilities differ from the table in RAM");
+        if extra[1] == "ssd" {
+            assert!(metric(&metrics, "ple_rows_total") > 0, "{metrics}");
+            assert!(metric(&metrics, "ple_reads_total") > 0, "{metrics}");
+            assert_eq!(metric(&metrics, "ple_fallbacks_total"), 0, "{metrics}");
+            let cached = metric(&metrics, "ple_rows_cached_total");
+            if extra.contains(&"0") {
+                assert_eq!(cached, 0, "a zero-byte cache keeps nothing: {metrics}");
+            } else {
+                assert!(cached > 0, "the second request's rows come from the cache: {metrics}");
+            }
+        } else {
+            assert!(!metrics.contains("strata:ple_"));
+        }
+    }
+}
+
+#[test]
+fn bad_ple_inputs_get_clear_errors() {
+    let out = run_server(&["-m", model("tiny-llama.gguf").to_str().unwrap(), "--port", "0", "--ple-mode", "ssd"], &[]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("--ple-mode ssd") && out.stderr.contains("no per-layer embedding table"), "{}", out.stderr);
+
+    let out = run_server(&["-m", model(MODEL).to_str().unwrap(), "--port", "0", "--ple-mode", "disk"], &[]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("\"--ple-mode\": invalid value 'disk'"), "{}", out.stderr);
+
+    let out = run_server(&["-m", model(MODEL).to_str().unwrap(), "--port", "0", "--ple-mode", "ssd"], &[("STRATA_IO_THREADS", "lots")]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("STRATA_IO_THREADS: invalid value 'lots'"), "{}", out.stderr);
+
+    // the file ends inside the table
+    let dir = tmp("truncated");
+    let src = std::fs::read(model(MODEL)).unwrap();
+    let info = strata_residency::gguf::parse_header(&src, src.len() as u64).unwrap();
+    let table = strata_residency::ple::PleTable::find(&info).unwrap().unwrap();
+    let cut = dir.join("cut.gguf");
+    std::fs::write(&cut, &src[..(table.offset + table.row_bytes) as usize]).unwrap();
+    let out = run_server(&["-m", cut.to_str().unwrap(), "--port", "0", "--ple-mode", "ssd"], &[]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("truncated"), "{}", out.stderr);
+}
