@@ -128,6 +128,8 @@ fn mini_tree(name: &str) -> PathBuf {
         "src/llama-graph.cpp",
         "src/llama.cpp",
         "src/llama-model.cpp",
+        "src/models/gemma4.cpp",
+        "src/models/qwen4exp.cpp",
     ] {
         std::fs::create_dir_all(tree.join(f).parent().unwrap()).unwrap();
         std::fs::copy(pristine.join(f), tree.join(f)).unwrap();
