@@ -272,6 +272,11 @@ SHAPES: dict[str, dict[str, dict]] = {
             n_ctx=262144, tied_output=False,
         ),
     },
+    # the tiny gemma4 with a 4.3 GB q8_0 per-layer embedding table (262144 rows x 16 KB), for
+    # measuring PLE I/O on a table far larger than a batch touches
+    "gemma4": {
+        "ple-4g": dict(n_embd_per_layer=3840),
+    },
     "qwen4exp": {
         "80b-a3b": dict(
             n_layer=48, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256, n_rot=64, rope_sections=[11, 11, 10, 0],

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""PLE I/O benchmark: one model, the table in RAM (--ple-mode ram), mapped (mmap: the pin's
+--lazy-mode on) and read from the file by Strata's direct-I/O readers (ssd).
+
+For each arm a fresh strata-server; before it starts, the model file's pages are dropped from the
+page cache with posix_fadvise(DONTNEED), so the first request is cold for the mapping arm. Each
+arm runs a cold request (prompt + decode) and a warm one (the same prompt again, no prompt
+cache), and records prefill and decode t/s from the server's timings, the server's RSS after the
+requests, and bytes it read from storage (/proc/PID/io read_bytes) per prompt token and per
+generated token. Writes matrix.json and a Markdown table.
+
+  tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
+
+The prompt is token ids drawn over the vocabulary (seeded), so a batch needs about as many distinct
+rows as varied text would.
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from strata_tools import free_port, post_json, stop, wait_healthy  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = REPO / "target/release/strata-server"
+
+
+def drop_file_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def proc_io(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def prompt(n_tokens: int, seed: int) -> list[int]:
+    """Token ids spread over the vocabulary, so that a batch needs as many distinct table rows as
+    a prompt of varied text (a few repeats, as text has)."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(1000, 250_000) for _ in range(n_tokens * 3 // 4)]
+    return ids + [rng.choice(ids) for _ in range(n_tokens - len(ids))]
+
+
+def arm(model: Path, mode: str, args, env_extra: dict) -> dict:
+    drop_file_cache(model)
+    port = free_port()
+    cmd = [str(SERVER), "-m", str(model), "-c", str(args.prompt_tokens + args.predict + 64), "-np", "1", "--port", str(port), "-t", str(args.threads),
+           "-b", "512", "-ub", "512", "--ple-mode", mode]
+    env = dict(os.environ, **env_extra)
+    t0 = time.time()
+    log = open(args.out / f"server-{mode}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, proc)
+        load_s = time.time() - t0
+        io0 = proc_io(proc.pid)
+        body = {"prompt": prompt(args.prompt_tokens, 1), "n_predict": args.predict, "temperature": 0.0,
+                "ignore_eos": True, "cache_prompt": False}
+        runs = []
+        for name in ("cold", "warm"):
+            # warm: the same rows again (the row cache or the page cache holds them)
+            io_a = proc_io(proc.pid)
+            r = post_json(base + "/completion", body)
+            io_b = proc_io(proc.pid)
+            t = r["timings"]
+            runs.append({
+                "run": name,
+                "prompt_n": t["prompt_n"], "prefill_tps": t["prompt_per_second"],
+                "predicted_n": t["predicted_n"], "decode_tps": t["predicted_per_second"],
+                "read_bytes": io_b - io_a,
+                "read_bytes_per_token": (io_b - io_a) / max(1, t["prompt_n"] + t["predicted_n"]),
+                "tokens": r.get("tokens", []),
+                "content": r["content"],
+            })
+        rss = rss_mib(proc.pid)
+        metrics = ""
+        try:
+            import urllib.request
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        except Exception:
+            pass
+        return {"mode": mode, "env": env_extra, "command": " ".join(cmd), "load_s": load_s, "rss_mib": rss,
+                "read_bytes_total": proc_io(proc.pid) - io0, "runs": runs,
+                "ple_metrics": [l for l in metrics.splitlines() if l.startswith("strata:ple_")]}
+    finally:
+        stop(proc)
+        log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--predict", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--io-threads", default="8")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode in ("ram", "mmap", "ssd"):
+        env = {"STRATA_IO_THREADS": args.io_threads} if mode == "ssd" else {}
+        r = arm(args.model, mode, args, env)
+        rows.append(r)
+        print(f"{mode}: load {r['load_s']:.1f} s, rss {r['rss_mib']:.0f} MiB, " + ", ".join(
+            f"{x['run']} prefill {x['prefill_tps']:.1f} t/s decode {x['decode_tps']:.1f} t/s read {x['read_bytes'] / 2**20:.1f} MiB"
+            for x in r["runs"]), flush=True)
+    ram = {x["run"]: x for x in rows[0]["runs"]}
+    for r in rows:
+        for x in r["runs"]:
+            x["same_tokens_as_ram"] = x["content"] == ram[x["run"]]["content"]
+            x["prefill_vs_ram"] = x["prefill_tps"] / ram[x["run"]]["prefill_tps"]
+            x["decode_vs_ram"] = x["decode_tps"] / ram[x["run"]]["decode_tps"]
+    mmap = {x["run"]: x for x in rows[1]["runs"]}
+    for x in rows[2]["runs"]:
+        x["prefill_vs_mmap"] = x["prefill_tps"] / mmap[x["run"]]["prefill_tps"]
+        x["decode_vs_mmap"] = x["decode_tps"] / mmap[x["run"]]["decode_tps"]
+    size = args.model.stat().st_size
+    meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
+            "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads,
+            "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm"}
+    (args.out / "matrix.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["| mode | run | prefill t/s | decode t/s | prefill / ram | decode / ram | read MiB | read B/token | RSS MiB | same text as ram |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for x in r["runs"]:
+            lines.append(f"| {r['mode']} | {x['run']} | {x['prefill_tps']:.1f} | {x['decode_tps']:.1f} | {x['prefill_vs_ram']:.2f} | "
+                         f"{x['decode_vs_ram']:.2f} | {x['read_bytes'] / 2**20:.1f} | {x['read_bytes_per_token']:.0f} | {r['rss_mib']:.0f} | {x['same_tokens_as_ram']} |")
+    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
