@@ -12,13 +12,19 @@
 //!                     └─miss─> ReadPool (T workers, O_DIRECT) ─> cache ─> dst (table type)
 //! ```
 //!
+//! A prompt's rows are known before its batches run (for tables indexed by token): the engine
+//! hands them to `prefetch`, whose thread reads them chunk by chunk into the cache while earlier
+//! batches compute; a batch needing a row still in flight waits for it rather than reading it
+//! twice.
+//!
 //! Missing rows are sorted and rows within COALESCE_GAP of each other read as one range, since
 //! a direct read fetches whole 4 KiB blocks anyway.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
 
 use strata_residency::direct_io::{ReadPool, Stats as IoStats, LATENCY_BUCKETS_US};
 use strata_residency::gguf;
@@ -54,6 +60,7 @@ struct Counters {
     rows: AtomicU64,
     cache_hits: AtomicU64,
     fallbacks: AtomicU64,
+    prefetched: AtomicU64,
 }
 
 struct Provider {
@@ -61,7 +68,18 @@ struct Provider {
     pool: ReadPool,
     cache: Mutex<RowCache>,
     counters: Counters,
+    /// The table has a row per token (gemma4), so a prompt's rows are known before its batches.
+    rows_are_tokens: bool,
+    /// Rows a prefetch is reading now; a batch that needs one waits for it instead of reading it
+    /// again.
+    inflight: Mutex<HashSet<u32>>,
+    landed: Condvar,
+    /// Chunks of rows for the prefetch thread, in the order the batches will need them.
+    prefetch: Mutex<Option<mpsc::Sender<Vec<u32>>>>,
 }
+
+/// How long a batch waits for rows a prefetch is reading before it reads them itself.
+const INFLIGHT_WAIT: Duration = Duration::from_secs(10);
 
 /// A provider waiting for the model whose table it serves to build its first graph.
 static PENDING: Mutex<Option<Arc<Provider>>> = Mutex::new(None);
@@ -80,7 +98,26 @@ pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
     }
     let pool = ReadPool::open(path, cfg.threads, true).map_err(|e| format!("{}: cannot start the PLE readers: {e}", path.display()))?;
     let setup = PleSetup { table_bytes: table.bytes(), row_bytes: table.row_bytes, n_rows: table.n_rows, threads: pool.threads(), direct: pool.direct() };
-    let provider = Arc::new(Provider { table, pool, cache: Mutex::new(RowCache::new(cfg.cache_bytes)), counters: Counters::default() });
+    let arch = info.get("general.architecture").and_then(|v| v.as_str()).unwrap_or_default();
+    let provider = Arc::new(Provider {
+        table,
+        pool,
+        cache: Mutex::new(RowCache::new(cfg.cache_bytes)),
+        counters: Counters::default(),
+        rows_are_tokens: matches!(arch, "gemma4" | "gemma3n"),
+        inflight: Mutex::new(HashSet::new()),
+        landed: Condvar::new(),
+        prefetch: Mutex::new(None),
+    });
+    if provider.rows_are_tokens && cfg.cache_bytes > 0 {
+        let (tx, rx) = mpsc::channel::<Vec<u32>>();
+        let weak = Arc::downgrade(&provider);
+        std::thread::Builder::new()
+            .name("strata-ple-prefetch".into())
+            .spawn(move || prefetcher(&weak, &rx))
+            .map_err(|e| format!("cannot start the PLE prefetch thread: {e}"))?;
+        *provider.prefetch.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+    }
     *PENDING.lock().unwrap_or_else(|e| e.into_inner()) = Some(provider);
     Ok(setup)
 }
@@ -174,6 +211,17 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
             }
         }
     }
+    if !missing.is_empty() {
+        wait_inflight(p, &missing);
+        let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+        missing.retain(|&r| match cache.get(r) {
+            Some(b) => {
+                have.insert(r, b);
+                false
+            }
+            None => true,
+        });
+    }
     p.counters.cache_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
     if !missing.is_empty() {
         missing.sort_unstable();
@@ -195,6 +243,80 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
     }
     p.counters.rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
     Ok(())
+}
+
+/// Waits (at most INFLIGHT_WAIT) until no row of `rows` is being read by the prefetcher.
+fn wait_inflight(p: &Provider, rows: &[u32]) {
+    let deadline = Instant::now() + INFLIGHT_WAIT;
+    let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
+    while rows.iter().any(|r| inflight.contains(r)) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        inflight = p.landed.wait_timeout(inflight, left).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}
+
+/// Reads chunks of rows into the cache ahead of the batches that need them, until the provider
+/// is gone.
+fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
+    while let Ok(rows) = rx.recv() {
+        let Some(p) = provider.upgrade() else { return };
+        let mut todo: Vec<u32> = {
+            let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = HashSet::new();
+            let todo: Vec<u32> = rows.into_iter().filter(|&r| seen.insert(r) && !inflight.contains(&r) && cache.get(r).is_none()).collect();
+            inflight.extend(&todo);
+            todo
+        };
+        if todo.is_empty() {
+            continue;
+        }
+        todo.sort_unstable();
+        let read = spans(&p.table, &todo).and_then(|spans| {
+            let ranges: Vec<(u64, usize)> = spans.iter().map(|s| (s.offset, s.len)).collect();
+            let bytes = p.pool.submit(&ranges).wait().map_err(|e| e.to_string())?;
+            Ok((spans, bytes))
+        });
+        if let Ok((spans, bytes)) = read {
+            let rb = p.table.row_bytes as usize;
+            let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+            for (span, bytes) in spans.iter().zip(bytes) {
+                for &r in &todo[span.rows.clone()] {
+                    let at = (p.table.row(r).map_or(0, |(o, _)| o) - span.offset) as usize;
+                    cache.insert(r, bytes[at..at + rb].into());
+                }
+            }
+            p.counters.prefetched.fetch_add(todo.len() as u64, Ordering::Relaxed);
+        }
+        let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        for r in &todo {
+            inflight.remove(r);
+        }
+        drop(inflight);
+        p.landed.notify_all();
+    }
+}
+
+/// Starts reading the rows of a prompt's `tokens` that the model's batches will need, one
+/// `chunk` of tokens after another, while the engine decodes. A no-op unless the model's table
+/// is served from the file and indexed by token; at most half the row cache is prefetched so
+/// that early rows are not evicted before their batch runs.
+pub fn prefetch(model: *const sys::llama_model, tokens: &[i32], chunk: usize) {
+    let Some(p) = bound(model) else { return };
+    if !p.rows_are_tokens {
+        return;
+    }
+    let Some(tx) = p.prefetch.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+    let budget = (p.cache.lock().map(|c| c.budget()).unwrap_or(0) / 2 / p.table.row_bytes.max(1)) as usize;
+    let rows: Vec<u32> = tokens.iter().filter_map(|&t| u32::try_from(t).ok()).filter(|&r| u64::from(r) < p.table.n_rows).take(budget).collect();
+    for c in rows.chunks(chunk.max(1)) {
+        if tx.send(c.to_vec()).is_err() {
+            return;
+        }
+    }
 }
 
 /// Rows closer than this in the file are read as one range: a direct read costs at least a
@@ -230,6 +352,7 @@ fn spans(table: &PleTable, sorted: &[u32]) -> Result<Vec<Span>, String> {
 pub struct PleStats {
     pub rows: u64,
     pub cache_hits: u64,
+    pub prefetched: u64,
     pub cache_bytes: u64,
     pub fallbacks: u64,
     pub reads: u64,
@@ -252,6 +375,7 @@ pub fn stats() -> Option<PleStats> {
         let io: &IoStats = p.pool.stats();
         s.rows += p.counters.rows.load(Ordering::Relaxed);
         s.cache_hits += p.counters.cache_hits.load(Ordering::Relaxed);
+        s.prefetched += p.counters.prefetched.load(Ordering::Relaxed);
         s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
         s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
         s.reads += io.reads.load(Ordering::Relaxed);

@@ -120,6 +120,11 @@ impl RowCache {
         self.rows.is_empty()
     }
 
+    /// The byte budget.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
     /// Bytes held.
     pub fn used(&self) -> u64 {
         self.used

@@ -65,10 +65,14 @@ fn same_as_ram(name: &str) {
             assert!(metric(&metrics, "ple_reads_total") > 0, "{metrics}");
             assert_eq!(metric(&metrics, "ple_fallbacks_total"), 0, "{metrics}");
             let cached = metric(&metrics, "ple_rows_cached_total");
+            let prefetched = metric(&metrics, "ple_rows_prefetched_total");
             if extra.contains(&"0") {
                 assert_eq!(cached, 0, "a zero-byte cache keeps nothing: {metrics}");
+                assert_eq!(prefetched, 0, "nothing to prefetch into: {metrics}");
             } else {
                 assert!(cached > 0, "the second request's rows come from the cache: {metrics}");
+                // gemma4's rows are its tokens, known before the batches run; qwen4exp's are hashed
+                assert_eq!(prefetched > 0, name == MODEL, "{name}: {metrics}");
             }
         } else {
             assert!(!metrics.contains("strata:ple_"));
