@@ -20,22 +20,27 @@ pub mod sse;
 pub mod streams;
 pub mod ui;
 pub mod values;
-use self::app::App;
-use self::middleware::*;
-use self::native::*;
-use crate::api::info::ServerInfo;
-use crate::engine::EngineHandle;
+
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 
+use self::app::App;
+use self::info::ServerInfo;
+use self::middleware::{buffer_body, gate, not_found, server_header, Gate, BODY_LIMIT};
+use self::native::{
+    completion, detokenize, health, lora_adapters, metrics, models, post_props, props, set_lora_adapters, slot_action, slots, systemone, tokenize,
+    transcriptions,
+};
+use crate::engine::EngineHandle;
+
 #[cfg(test)]
-pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::api::gcp::Gcp>) -> Router {
+pub fn router(engine: EngineHandle, info: ServerInfo, gcp: Option<&gcp::Gcp>) -> Router {
     router_with(engine, info, gcp, Router::new())
 }
 
 /// `extra` holds routes that need no model (tools, CORS proxy); they sit behind the same gate.
-pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::api::gcp::Gcp>, extra: Router) -> Router {
+pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&gcp::Gcp>, extra: Router) -> Router {
     let app = App::new(engine, info);
     let routes = Router::new()
         .route("/health", get(health))
@@ -61,28 +66,28 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::a
         .route("/v1/responses", post(responses::responses))
         .route("/responses/input_tokens", post(responses::input_tokens))
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
-        .route("/infill", post(crate::api::infill::infill))
+        .route("/infill", post(infill::infill))
         .route("/tokenize", post(tokenize))
-        .route("/embedding", post(crate::api::embeddings::embeddings))
-        .route("/embeddings", post(crate::api::embeddings::embeddings))
-        .route("/v1/embeddings", post(crate::api::embeddings::embeddings_oai))
-        .route("/rerank", post(crate::api::embeddings::rerank))
-        .route("/reranking", post(crate::api::embeddings::rerank))
-        .route("/v1/rerank", post(crate::api::embeddings::rerank))
-        .route("/v1/reranking", post(crate::api::embeddings::rerank))
+        .route("/embedding", post(embeddings::embeddings))
+        .route("/embeddings", post(embeddings::embeddings))
+        .route("/v1/embeddings", post(embeddings::embeddings_oai))
+        .route("/rerank", post(embeddings::rerank))
+        .route("/reranking", post(embeddings::rerank))
+        .route("/v1/rerank", post(embeddings::rerank))
+        .route("/v1/reranking", post(embeddings::rerank))
         .route("/detokenize", post(detokenize))
         .route("/v1/chat/completions/control", post(oai::control))
         .route("/v1/audio/transcriptions", post(transcriptions))
         .route("/audio/transcriptions", post(transcriptions))
         .route("/v1/systemone", post(systemone))
         .with_state(app.clone())
-        .merge(crate::api::streams::routes())
+        .merge(streams::routes())
         .merge(extra);
     // --api-prefix puts every route under one path, as llama-server does.
     let prefix = app.info.api_prefix.clone();
     let routes = if prefix.is_empty() { routes } else { Router::new().nest(&prefix, routes) };
     let routes = match gcp {
-        Some(g) => crate::api::gcp::with_routes(routes, g, &prefix),
+        Some(g) => gcp::with_routes(routes, g, &prefix),
         None => routes,
     };
     routes
@@ -90,7 +95,7 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&crate::a
         .method_not_allowed_fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn(buffer_body))
-        .layer(axum::middleware::from_fn_with_state(crate::api::ui::Ui::new(&app.info), crate::api::ui::serve))
+        .layer(axum::middleware::from_fn_with_state(ui::Ui::new(&app.info), ui::serve))
         .layer(axum::middleware::from_fn_with_state(Gate { info: app.info.clone(), engine: Some(app.engine.clone()) }, gate))
         .layer(axum::middleware::map_response(server_header))
 }

@@ -3,9 +3,9 @@
 
 use super::app::{loaded_model, App};
 use super::body::{flag, parse_body, parse_json, piece, task_params, tokenize_mixed, tokenize_prompts};
-use super::render::*;
+use super::render::{collect, final_json_with_probs, partial_json, select_fields};
 use super::request;
-use super::sse::*;
+use super::sse::{stream_response, Sse};
 use crate::api::error::{ApiError, ErrorType};
 use crate::api::info::{self};
 use crate::api::values;

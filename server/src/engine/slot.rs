@@ -1,5 +1,5 @@
-//! Slots: one sequence of the context each, the task running on it, and the slot actions
-//! (save, restore, erase) and choices (which slot a task takes) of llama-server.
+//! What the engine does with slots as llama-server does: the slot actions (save, restore, erase),
+//! which slot a task takes, moving slots through the prompt cache, releasing a finished task.
 
 use std::time::Instant;
 
