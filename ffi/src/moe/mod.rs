@@ -523,8 +523,6 @@ pub enum PlaceError {
     Activation(i32),
     #[error("allocating {what} ({bytes} bytes) on {device} failed")]
     Alloc { what: String, bytes: u64, device: String },
-    #[error("the MoE hook could not be installed: {0}")]
-    Hook(#[from] crate::hooks::AbiMismatch),
 }
 
 /// The device for the hot tier: the `main_gpu`-th GPU, or the CPU when there is none.
