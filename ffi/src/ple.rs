@@ -198,9 +198,10 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
     let mut missing: Vec<u32> = Vec::new();
     {
         let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = HashSet::new();
         for &r in rows {
             let r = u32::try_from(r).map_err(|_| format!("row {r} out of range"))?;
-            if have.contains_key(&r) || missing.contains(&r) {
+            if !seen.insert(r) {
                 continue;
             }
             match cache.get(r) {
@@ -225,24 +226,34 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
     p.counters.cache_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
     if !missing.is_empty() {
         missing.sort_unstable();
-        let spans = spans(&p.table, &missing)?;
-        let ranges: Vec<(u64, usize)> = spans.iter().map(|s| (s.offset, s.len)).collect();
-        let read = p.pool.submit(&ranges).wait().map_err(|e| format!("reading {} PLE rows: {e}", missing.len()))?;
-        let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
-        for (span, bytes) in spans.iter().zip(read) {
-            for &r in &missing[span.rows.clone()] {
-                let at = (p.table.row(r).map_or(0, |(o, _)| o) - span.offset) as usize;
-                let row: Arc<[u8]> = bytes[at..at + rb].into();
-                cache.insert(r, row.clone());
-                have.insert(r, row);
-            }
-        }
+        let read = read_from_file(p, &missing)?;
+        have.extend(missing.into_iter().zip(read));
     }
     for (out, &r) in dst.chunks_exact_mut(rb).zip(rows) {
         out.copy_from_slice(&have[&(r as u32)]);
     }
     p.counters.rows.fetch_add(rows.len() as u64, Ordering::Relaxed);
     Ok(())
+}
+
+/// Reads the sorted, distinct `rows` from the file (neighbours coalesced into one read) and keeps
+/// them in the cache; their bytes come back in the same order.
+fn read_from_file(p: &Provider, rows: &[u32]) -> Result<Vec<Arc<[u8]>>, String> {
+    let rb = p.table.row_bytes as usize;
+    let spans = spans(&p.table, rows)?;
+    let ranges: Vec<(u64, usize)> = spans.iter().map(|s| (s.offset, s.len)).collect();
+    let read = p.pool.submit(&ranges).wait().map_err(|e| format!("reading {} PLE rows: {e}", rows.len()))?;
+    let mut out = Vec::with_capacity(rows.len());
+    let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+    for (span, bytes) in spans.iter().zip(read) {
+        for &r in &rows[span.rows.clone()] {
+            let at = (p.table.row(r).map_or(0, |(o, _)| o) - span.offset) as usize;
+            let row: Arc<[u8]> = bytes[at..at + rb].into();
+            cache.insert(r, row.clone());
+            out.push(row);
+        }
+    }
+    Ok(out)
 }
 
 /// Waits (at most INFLIGHT_WAIT) until no row of `rows` is being read by the prefetcher.
@@ -275,20 +286,7 @@ fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
             continue;
         }
         todo.sort_unstable();
-        let read = spans(&p.table, &todo).and_then(|spans| {
-            let ranges: Vec<(u64, usize)> = spans.iter().map(|s| (s.offset, s.len)).collect();
-            let bytes = p.pool.submit(&ranges).wait().map_err(|e| e.to_string())?;
-            Ok((spans, bytes))
-        });
-        if let Ok((spans, bytes)) = read {
-            let rb = p.table.row_bytes as usize;
-            let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
-            for (span, bytes) in spans.iter().zip(bytes) {
-                for &r in &todo[span.rows.clone()] {
-                    let at = (p.table.row(r).map_or(0, |(o, _)| o) - span.offset) as usize;
-                    cache.insert(r, bytes[at..at + rb].into());
-                }
-            }
+        if read_from_file(&p, &todo).is_ok() {
             p.counters.prefetched.fetch_add(todo.len() as u64, Ordering::Relaxed);
         }
         let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
