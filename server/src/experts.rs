@@ -17,6 +17,7 @@ use strata_residency::plan;
 use strata_residency::profile::Profile;
 
 use crate::cli::flags::{CacheSize, StrataArgs};
+use crate::engine::metrics::strata_line;
 
 /// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
 /// GPU library's workspaces may grow past what the context reserved.
@@ -322,15 +323,10 @@ impl Residency {
         family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);
         family("expert_selections_total", "counter", "Selected experts served from each tier", st.totals);
         family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
-        out += &format!(
-            "# HELP strata:expert_uploads_total Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)\n\
-             # TYPE strata:expert_uploads_total counter\nstrata:expert_uploads_total {}\n",
-            moe::uploads()
-        );
+        let uploads_help = "Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)";
+        strata_line(&mut out, "expert_uploads_total", "counter", uploads_help, moe::uploads());
         if let Some(r) = moe::ring_stats() {
-            let mut one = |name: &str, kind: &str, help: &str, v: u64| {
-                out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
-            };
+            let mut one = |name: &str, kind: &str, help: &str, v: u64| strata_line(&mut out, name, kind, help, v);
             one("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes);
             one("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch);
             one("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits);

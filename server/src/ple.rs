@@ -4,6 +4,7 @@
 use strata_ffi::ple::{PleConfig, PleStats};
 
 use crate::cli::flags::{PleMode, StrataArgs};
+use crate::engine::metrics::strata_line;
 
 /// STRATA_IO_THREADS's default: enough readers to keep an NVMe queue busy with one batch's rows.
 pub const DEFAULT_IO_THREADS: usize = 8;
@@ -29,9 +30,7 @@ pub fn config(a: &StrataArgs, io_threads: Option<&str>) -> Result<Option<PleConf
 pub fn metrics_text(s: Option<PleStats>) -> String {
     let Some(s) = s else { return String::new() };
     let mut out = String::new();
-    let mut one = |name: &str, kind: &str, help: &str, v: u64| {
-        out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
-    };
+    let mut one = |name: &str, kind: &str, help: &str, v: u64| strata_line(&mut out, name, kind, help, v);
     one("ple_rows_total", "counter", "PLE rows supplied to prompt and decode batches", s.rows);
     one("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits);
     one("ple_rows_prefetched_total", "counter", "PLE rows of a prompt read ahead of its batches", s.prefetched);

@@ -69,6 +69,11 @@ impl Default for Metrics {
 }
 
 /// C++ iostream's default rendering of a double (6 significant digits, like %g).
+/// One `strata:<name>` sample with its HELP and TYPE lines, for Strata's own families.
+pub fn strata_line(out: &mut String, name: &str, kind: &str, help: &str, v: u64) {
+    let _ = write!(out, "# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
+}
+
 fn g(v: f64) -> String {
     if v == 0.0 || !v.is_finite() {
         return if v.is_finite() { "0".into() } else { v.to_string() };
