@@ -88,12 +88,24 @@ impl<'m> Context<'m> {
     }
 
     pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
+        // Routing that zero-copy MoE layers logged in batches decoded elsewhere (llama.cpp's
+        // warm-up) is counted before this batch overwrites it.
+        self.count_logged_routing();
         let t0 = std::time::Instant::now();
         crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
         let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         crate::op_profile::batch_end(batch.raw().n_tokens, t0.elapsed());
+        self.count_logged_routing();
         DecodeError::check(rc)
+    }
+
+    fn count_logged_routing(&mut self) {
+        if crate::moe::zero_copy_active() {
+            // SAFETY: valid context; the log is host memory the device writes during a batch.
+            unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
+            crate::moe::after_decode();
+        }
     }
 
     /// Logits of the i-th output of the last decode (negative i counts from the end).

@@ -74,6 +74,12 @@ impl ExpertConfig {
                 host_op: std::env::var("STRATA_MOE_HOST_OP").as_deref() == Ok("1"),
                 emulate_ring: std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1"),
                 ring_trace: std::env::var_os("STRATA_RING_TRACE").filter(|v| !v.is_empty()).map(PathBuf::from),
+                cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
+                    Err(_) | Ok("") => None,
+                    Ok("cpu") => Some(moe::ColdDecode::Cpu),
+                    Ok("mapped") => Some(moe::ColdDecode::Mapped),
+                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu or mapped")),
+                },
             },
         };
         if cfg.resident_cpu && cfg.profile.is_none() {
@@ -278,15 +284,30 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
+    let n_tiered = p.layout.layers.len();
+    let decode = if placement.zero_copy_layers > 0 {
+        format!(
+            "read by {} from the page-locked RAM copy in {} of {n_tiered} tiered layers (zero-copy, one device graph per step; prompt batches and the rest on ",
+            placement.hot_device, placement.zero_copy_layers
+        )
+    } else {
+        String::new()
+    };
     let msg = format!(
-        "experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode on {}; placed in {place_s:.1} s",
+        "experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode {decode}{}{}{}; placed in {place_s:.1} s",
         placement.experts[Tier::Hot as usize],
+        if decode.is_empty() { "on " } else { "" },
         match (placement.workers, cfg.pcie_frac) {
             (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
             (0, _) => "the CPU backend's threads".into(),
             (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
             (n, _) => format!("a pool of {n} workers"),
-        } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" }
+        } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" },
+        match (&placement.zero_copy_off, placement.zero_copy_layers) {
+            (_, n) if n > 0 => ")".to_string(),
+            (Some(why), _) => format!(" (zero-copy decode off: {why})"),
+            (None, _) => String::new(),
+        }
     );
     crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &msg);
     match (&placement.ring, ring_half) {

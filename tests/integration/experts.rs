@@ -167,6 +167,40 @@ fn split_experts_match_the_unsplit_model() {
     assert_same(&ref_long, &generate(&resident, LONG), "RAM copy, one expert per column, long prompt");
 }
 
+/// The zero-copy decode graph (STRATA_COLD_DECODE=mapped), run on the CPU: the hot tier and the
+/// RAM copy each take a mul_mat_id over the same routing, the copy's skipping hot experts
+/// (negative ids, patches/0006), and the routing log is counted after each step as the CPU
+/// kernels count it.
+#[test]
+fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
+    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
+    drop(reference);
+
+    let dir = tmp("zero-copy");
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 64 << 20);
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+    let mut selections = Vec::new();
+    for mode in ["cpu", "mapped"] {
+        let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode)];
+        let s = Server::start(&args, &env);
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{mode} decode, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{mode} decode, long prompt"));
+        selections.push([metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")]);
+        let log = s.log.lock().unwrap().clone();
+        let zero_copy = log.contains("from the page-locked RAM copy in 4 of 4 tiered layers (zero-copy");
+        assert_eq!(zero_copy, mode == "mapped", "{log}");
+    }
+    assert!(selections[0][1] > 0, "{selections:?}");
+    assert_eq!(selections[0], selections[1], "selections by tier (vram, ram): CPU decode vs zero-copy decode");
+
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_COLD_DECODE", "gpu")]);
+    assert!(out.stderr.contains("STRATA_COLD_DECODE: invalid value 'gpu'"), "{}", out.stderr);
+}
+
 fn counter(s: &Server, name: &str) -> u64 {
     let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
     let key = format!("strata:{name} ");

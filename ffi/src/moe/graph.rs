@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, pool, ring, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
+use super::{kernels, pool, ring, zero_copy, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
 use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
@@ -196,6 +196,23 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             Some(c) => unsafe { sys::ggml_add(g.ctx, out, c) },
             None => out,
         });
+    }
+    // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
+    // routing, skipping the other's experts; no CPU op, so the step stays one device graph.
+    if let Some(zc) = lt.zero_copy.as_ref().filter(|_| n_tok <= zero_copy::MAX_TOKENS && lt.n_cold > 0) {
+        let down_hot = lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, g.remap_positions(hot.map, sel), act, false));
+        let down_cold = g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?;
+        // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
+        unsafe {
+            let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
+            g.expand(sys::ggml_cpy(g.ctx, sel, log));
+        }
+        let experts = match down_hot {
+            // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
+            Some(h) => unsafe { sys::ggml_add(g.ctx, h, down_cold) },
+            None => down_cold,
+        };
+        return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
     }
     // A windowed layer whose batch skips the ring keeps its cold selections on the CPU, as does
     // a batch too wide for the flat second pass (the GPU's id grouping holds 4-byte entries for

@@ -16,6 +16,9 @@ mod graph;
 mod kernels;
 mod pool;
 pub mod ring;
+mod zero_copy;
+
+pub use zero_copy::ColdDecode;
 
 use std::collections::HashMap;
 use std::ptr::null_mut;
@@ -126,6 +129,9 @@ pub struct Switches {
     pub emulate_ring: bool,
     /// Where the ring writes its per-layer timeline (STRATA_RING_TRACE).
     pub ring_trace: Option<std::path::PathBuf>,
+    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
+    /// cold experts are a page-locked copy that the GPU can read, else the CPU.
+    pub cold_decode: Option<ColdDecode>,
 }
 
 /// Experts and bytes per tier after placement.
@@ -141,6 +147,10 @@ pub struct Placement {
     pub workers: usize,
     /// The prefill ring, when one was built: a line for the start-up log.
     pub ring: Option<String>,
+    /// Tiered layers whose decode reads cold experts over the bus (zero-copy), and why the
+    /// others do not (empty when all do or none was asked to).
+    pub zero_copy_layers: usize,
+    pub zero_copy_off: Option<String>,
 }
 
 /// Selections counted per tier and per expert since the model was attached.
@@ -248,6 +258,8 @@ pub(crate) struct LayerTiers {
     /// layer's index in it, when prompt batches may use the prefill ring.
     pub window: Option<Mats<T>>,
     pub ring: Option<(Arc<ring::Ring>, usize)>,
+    /// Decode steps read the cold experts from the page-locked copy on the GPU.
+    zero_copy: Option<zero_copy::ZeroCopy>,
     _owned: Owned,
 }
 
@@ -457,6 +469,29 @@ pub fn hits() -> [u64; 3] {
         }
     }
     out
+}
+
+/// Counts the selections that zero-copy decode steps logged since the last call. Called after a
+/// batch's graph has finished (Context::decode synchronises first).
+pub(crate) fn after_decode() {
+    let Ok(r) = REGISTRY.read() else { return };
+    let mut sel = Vec::new();
+    for lt in r.as_ref().into_iter().flat_map(HashMap::values) {
+        if let Some(z) = lt.zero_copy.as_ref() {
+            sel.clear();
+            z.take_log(&mut sel);
+            if !sel.is_empty() {
+                kernels::tally(lt, &sel);
+            }
+        }
+    }
+}
+
+/// Set once a tiered layer decodes with zero-copy reads (its log needs reading after a batch).
+static ZERO_COPY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn zero_copy_active() -> bool {
+    ZERO_COPY.load(Ordering::Relaxed)
 }
 
 /// Cold experts uploaded to staging slots (`--pcie-frac`) over every tiered layer.
@@ -902,6 +937,18 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     } else {
         None
     };
+    let zero_copy_wanted = !plan.count_only
+        && match plan.switches.cold_decode {
+            Some(ColdDecode::Mapped) => plan.cold != ColdCopy::Mapped,
+            Some(ColdDecode::Cpu) => false,
+            None => gpu && plan.cold == ColdCopy::PinnedRam,
+        };
+    if !zero_copy_wanted && gpu && plan.switches.cold_decode.is_none() && !plan.count_only {
+        placement.zero_copy_off = Some(match plan.cold {
+            ColdCopy::PinnedRam => "not asked".into(),
+            _ => "the cold experts are not a page-locked copy (--resident-experts)".into(),
+        });
+    }
     let mut max_expert_bytes = 0usize;
     let mut entries = Vec::new();
     for (il, hot_ids) in &plan.hot {
@@ -922,6 +969,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let mut owned = Owned::default();
 
         let copy = cold_buft.filter(|_| !cold_list.is_empty());
+        // SAFETY: live tensor.
+        let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
+        // The GPU's vector kernels skip ids only for quantized weights.
+        let zc_layer = zero_copy_wanted && copy.is_some() && (quantized || !gpu);
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
         let a = Alloc::new(12);
         let n_used = plan.n_used.max(1);
@@ -941,6 +992,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
+        let skip_map = zc_layer.then(|| a.map(n_expert, &format!("blk.{il}.exps.skip_map")));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -949,13 +1001,25 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             owned.ctxs.push(a.ctx);
         }
         // Host side: the RAM copy of the cold experts plus a zero pad expert.
+        let mut log = None;
         let copy_mats = copy.map(|buft| -> Result<Mats<T>, PlaceError> {
-            let a = Alloc::new(4);
+            let a = Alloc::new(5);
             let mats = src.map(|t| Some(a.like(t, n_cold + 1, &format!("blk.{il}.exps.cold")))).expect("infallible");
+            log = zc_layer.then(|| zero_copy::log_tensor(&a, n_used, *il));
             a.commit(buft, &mut owned, &format!("layer {il} RAM copy of cold experts"))?;
             Ok(mats)
         });
         let copy_mats = copy_mats.transpose()?;
+        let zero_copy = match (copy_mats.as_ref(), log, skip_map) {
+            (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, map, *il, &mut owned) {
+                Ok(z) => Some(z),
+                Err(e) => {
+                    placement.zero_copy_off.get_or_insert(e);
+                    None
+                }
+            },
+            _ => None,
+        };
 
         let hot = match (hot_mats, hot_map) {
             (Some(mats), Some(map)) => {
@@ -990,6 +1054,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 copy_experts(&src, &mats, &cold_list);
                 mats.iter().for_each(|d| zero_expert(d, n_cold));
                 set_map(map, &rows);
+                if let Some(z) = zero_copy.as_ref() {
+                    let skip: Vec<i32> = rows.iter().map(|&r| if r == n_cold as i32 { -1 } else { r }).collect();
+                    set_map(z.skip_map, &skip);
+                }
                 (mats, Tier::Ram)
             }
             (_, map) => {
@@ -1023,9 +1091,11 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         placement.bytes[Tier::Hot as usize] += (n_hot * info.expert_bytes) as u64;
         placement.experts[cold_tier as usize] += cold_list.len() as u64;
         placement.bytes[cold_tier as usize] += (cold_list.len() * info.expert_bytes) as u64;
-        // SAFETY: live tensor.
-        let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
         let key = src.down.map_or(0, |t| t as usize);
+        placement.zero_copy_layers += usize::from(zero_copy.is_some());
+        if zero_copy.is_some() {
+            ZERO_COPY.store(true, Ordering::Relaxed);
+        }
         let tally = Arc::new(Tally::new(n_expert));
         let ring_entry = match (windowed, window.as_ref()) {
             (Some(r), Some(w)) => {
@@ -1072,6 +1142,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 tally,
                 window,
                 ring: ring_entry,
+                zero_copy,
                 _owned: owned,
             }),
         ));

@@ -175,7 +175,7 @@ impl Fns {
 }
 
 /// The device index of a ggml device named like "CUDA0" or "ROCm1".
-fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
+pub(crate) fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
     // SAFETY: valid device; the name is a static string.
     let name = unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)) }.to_string_lossy().into_owned();
     let digits: String = name.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();

@@ -286,6 +286,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         help: "1 = run decode's cold experts as one host op in the GPU stream (needs patches/0002's hook)",
         effect: Effect::Experts,
     },
+    EnvVar {
+        name: "STRATA_COLD_DECODE",
+        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them",
+        effect: Effect::Experts,
+    },
     EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
     EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
     EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP", effect: Effect::NotYet },

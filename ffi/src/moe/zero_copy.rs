@@ -1,0 +1,136 @@
+//! Cold experts in decode read by the GPU straight from the page-locked RAM copy (zero-copy).
+//!
+//! A decode step of a tiered layer then runs two mul_mat_id over the same routing inside one
+//! device graph: the hot tier's (VRAM) and the RAM copy's, seen by the device through a mapped
+//! buffer (patches/0006). The copy's id map sends hot experts to -1, which the kernels skip
+//! (zero output, weights unread), so the bus carries only the cold experts the step selected and
+//! no CPU hand-off splits the graph. The routing of each step is copied into a small mapped log
+//! that the host reads after the step to count selections.
+
+use std::ffi::c_void;
+
+use super::{Alloc, Mats, Owned, T};
+use crate::sys;
+
+/// Batches of up to this many tokens take the zero-copy form: CUDA's vector kernels, which skip
+/// negative ids, serve mul_mat_id up to 5..8 tokens depending on the type (5 for Q3_K).
+pub(super) const MAX_TOKENS: i64 = 5;
+
+type MappedNew = unsafe extern "C" fn(i32, *mut c_void, usize) -> sys::ggml_backend_buffer_t;
+
+/// How decode reaches the cold experts of a tiered layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColdDecode {
+    /// CPU workers (or the CPU backend's threads) compute them; the graph splits around them.
+    Cpu,
+    /// The GPU reads them from the page-locked RAM copy; the step stays one device graph.
+    Mapped,
+}
+
+/// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the map
+/// expert -> copy row (-1 for hot experts), and the routing log.
+pub(super) struct ZeroCopy {
+    pub mats: Mats<T>,
+    pub skip_map: T,
+    /// [n_used, MAX_TOKENS] i32 as the graph writes it.
+    pub log: T,
+    /// The same log where the host reads it.
+    log_host: *mut i32,
+    log_len: usize,
+}
+
+impl ZeroCopy {
+    /// Wraps the RAM copy's buffer (the last of `owned`, holding `copy` and `log`) for `dev`.
+    /// On a machine without a GPU the copy itself serves (the CPU's mul_mat_id skips too).
+    pub(super) fn new(dev: sys::ggml_backend_dev_t, gpu: bool, copy: &Mats<T>, log: T, skip_map: T, il: i32, owned: &mut Owned) -> Result<Self, String> {
+        // SAFETY: log is a live i32 tensor in a host buffer.
+        let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
+        let zc = |mats, log| ZeroCopy { mats, skip_map, log, log_host, log_len };
+        if !gpu {
+            reset(log_host, log_len);
+            return Ok(zc(*copy, log));
+        }
+        let host_buf = *owned.bufs.last().ok_or("no RAM copy")?;
+        // SAFETY: dev is a registered device; the proc address, when present, has the MappedNew
+        // signature (patches/0006).
+        let mapped_new = unsafe {
+            let p = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_cuda_mapped_buffer_new".as_ptr());
+            if p.is_null() {
+                return Err("the GPU backend has no mapped host buffers (patches/0006 missing)".into());
+            }
+            std::mem::transmute::<*mut c_void, MappedNew>(p)
+        };
+        // SAFETY: host_buf is the page-locked buffer of the device's host buffer type that holds
+        // the copy; the mapped buffer borrows its memory (freeing it releases nothing) and both
+        // are freed together with the layer.
+        let (mbuf, host_base, mbase) = unsafe {
+            let base = sys::ggml_backend_buffer_get_base(host_buf);
+            let size = sys::ggml_backend_buffer_get_size(host_buf);
+            let mbuf = mapped_new(super::ring::device_index(dev), base, size);
+            if mbuf.is_null() {
+                let name = std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned();
+                return Err(format!("{name} cannot address the page-locked RAM copy"));
+            }
+            sys::ggml_backend_buffer_set_usage(mbuf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+            (mbuf, base as usize, sys::ggml_backend_buffer_get_base(mbuf) as usize)
+        };
+        owned.bufs.push(mbuf);
+        let a = Alloc::new(5);
+        owned.ctxs.push(a.ctx);
+        let mut failed = false;
+        let mut view = |t: T, name: &str| -> Option<T> {
+            // SAFETY: t is a live tensor inside host_buf; its twin gets the same offset in mbuf,
+            // which spans the same bytes.
+            unsafe {
+                let v = sys::ggml_dup_tensor(a.ctx, t);
+                super::set_name(v, name);
+                let addr = (mbase + ((*t).data as usize - host_base)) as *mut c_void;
+                if sys::ggml_backend_tensor_alloc(mbuf, v, addr) != sys::GGML_STATUS_SUCCESS {
+                    failed = true;
+                    return None;
+                }
+                Some(v)
+            }
+        };
+        let mats = copy.map(|t| view(t, &format!("blk.{il}.exps.cold_mapped")));
+        let log_dev = view(log, &format!("blk.{il}.exps.decode_log"));
+        match (mats, log_dev) {
+            (Some(m), Some(l)) if !failed => {
+                reset(log_host, log_len);
+                Ok(zc(m, l))
+            }
+            _ => Err("placing tensors in the mapped buffer failed".into()),
+        }
+    }
+
+    /// Reads the routing the last step logged (entries >= 0) and marks the log empty again. Call
+    /// after the step's graph has finished.
+    pub(super) fn take_log(&self, out: &mut Vec<i32>) {
+        for i in 0..self.log_len {
+            // SAFETY: log_host addresses log_len i32 of page-locked host memory that no graph is
+            // writing now (the caller synchronised).
+            let v = unsafe { self.log_host.add(i).read_volatile() };
+            if v >= 0 {
+                out.push(v);
+            }
+        }
+        reset(self.log_host, self.log_len);
+    }
+}
+
+fn reset(log: *mut i32, len: usize) {
+    for i in 0..len {
+        // SAFETY: log addresses len i32 of host memory owned by the placement.
+        unsafe { log.add(i).write_volatile(-1) };
+    }
+}
+
+/// Allocates the routing log beside the RAM copy's matrices (same buffer, so one mapping covers both).
+pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
+    // SAFETY: a's context has room for the metadata.
+    unsafe {
+        let t = sys::ggml_new_tensor_2d(a.ctx, sys::GGML_TYPE_I32, n_used as i64, MAX_TOKENS);
+        super::set_name(t, &format!("blk.{il}.exps.decode_log"));
+        t
+    }
+}
