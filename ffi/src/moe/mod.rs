@@ -993,6 +993,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
         let skip_map = zc_layer.then(|| a.map(n_expert, &format!("blk.{il}.exps.skip_map")));
+        let hot_skip_map = (zc_layer && n_hot > 0).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -1003,7 +1004,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // Host side: the RAM copy of the cold experts plus a zero pad expert.
         let mut log = None;
         let copy_mats = copy.map(|buft| -> Result<Mats<T>, PlaceError> {
-            let a = Alloc::new(5);
+            let a = Alloc::new(6);
             let mats = src.map(|t| Some(a.like(t, n_cold + 1, &format!("blk.{il}.exps.cold")))).expect("infallible");
             log = zc_layer.then(|| zero_copy::log_tensor(&a, n_used, *il));
             a.commit(buft, &mut owned, &format!("layer {il} RAM copy of cold experts"))?;
@@ -1011,7 +1012,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         });
         let copy_mats = copy_mats.transpose()?;
         let zero_copy = match (copy_mats.as_ref(), log, skip_map) {
-            (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, map, *il, &mut owned) {
+            (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (map, hot_skip_map), *il, &mut owned) {
                 Ok(z) => Some(z),
                 Err(e) => {
                     placement.zero_copy_off.get_or_insert(e);
@@ -1033,6 +1034,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                     slots.extend(slot_in_list.iter().map(|&s| if s >= 0 { s } else { (n_hot + j) as i32 }));
                 }
                 copy_experts(&src, &mats, &hot_list);
+                if let Some(m) = zero_copy.as_ref().and_then(|z| z.hot_skip_map) {
+                    set_map(m, &slot_in_list);
+                }
                 (0..n_used).for_each(|j| mats.iter().for_each(|d| zero_expert(d, n_hot + j)));
                 set_map(map, &slots);
                 Some(Hot { mats, map })

@@ -31,7 +31,10 @@ pub enum ColdDecode {
 /// expert -> copy row (-1 for hot experts), and the routing log.
 pub(super) struct ZeroCopy {
     pub mats: Mats<T>,
+    /// expert -> RAM copy row, or -1 for a hot expert.
     pub skip_map: T,
+    /// expert -> hot slot, or -1 for a cold expert (so decode reads no pad expert either).
+    pub hot_skip_map: Option<T>,
     /// [n_used, MAX_TOKENS] i32 as the graph writes it.
     pub log: T,
     /// The same log where the host reads it.
@@ -42,10 +45,10 @@ pub(super) struct ZeroCopy {
 impl ZeroCopy {
     /// Wraps the RAM copy's buffer (the last of `owned`, holding `copy` and `log`) for `dev`.
     /// On a machine without a GPU the copy itself serves (the CPU's mul_mat_id skips too).
-    pub(super) fn new(dev: sys::ggml_backend_dev_t, gpu: bool, copy: &Mats<T>, log: T, skip_map: T, il: i32, owned: &mut Owned) -> Result<Self, String> {
+    pub(super) fn new(dev: sys::ggml_backend_dev_t, gpu: bool, copy: &Mats<T>, log: T, maps: (T, Option<T>), il: i32, owned: &mut Owned) -> Result<Self, String> {
         // SAFETY: log is a live i32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
-        let zc = |mats, log| ZeroCopy { mats, skip_map, log, log_host, log_len };
+        let zc = |mats, log| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len };
         if !gpu {
             reset(log_host, log_len);
             return Ok(zc(*copy, log));
@@ -125,12 +128,19 @@ fn reset(log: *mut i32, len: usize) {
     }
 }
 
-/// Allocates the routing log beside the RAM copy's matrices (same buffer, so one mapping covers both).
+/// Allocates the routing log beside the RAM copy's matrices (same buffer, so one mapping covers
+/// both), then spare bytes: the GPU's buffer type sizes quantized tensors with row padding that
+/// the host's does not, and the last matrix's padded size must stay inside the buffer.
 pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
-    // SAFETY: a's context has room for the metadata.
+    // SAFETY: a's context has room for the metadata (two tensors beyond the matrices).
     unsafe {
         let t = sys::ggml_new_tensor_2d(a.ctx, sys::GGML_TYPE_I32, n_used as i64, MAX_TOKENS);
         super::set_name(t, &format!("blk.{il}.exps.decode_log"));
+        let spare = sys::ggml_new_tensor_1d(a.ctx, sys::GGML_TYPE_I8, SPARE_BYTES);
+        super::set_name(spare, &format!("blk.{il}.exps.spare"));
         t
     }
 }
+
+/// More than the row padding of any matrix (512 columns of the widest type).
+const SPARE_BYTES: i64 = 64 << 10;
