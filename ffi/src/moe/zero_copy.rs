@@ -45,7 +45,15 @@ pub(super) struct ZeroCopy {
 impl ZeroCopy {
     /// Wraps the RAM copy's buffer (the last of `owned`, holding `copy` and `log`) for `dev`.
     /// On a machine without a GPU the copy itself serves (the CPU's mul_mat_id skips too).
-    pub(super) fn new(dev: sys::ggml_backend_dev_t, gpu: bool, copy: &Mats<T>, log: T, maps: (T, Option<T>), il: i32, owned: &mut Owned) -> Result<Self, String> {
+    pub(super) fn new(
+        dev: sys::ggml_backend_dev_t,
+        gpu: bool,
+        copy: &Mats<T>,
+        log: T,
+        maps: (T, Option<T>),
+        il: i32,
+        owned: &mut Owned,
+    ) -> Result<Self, String> {
         // SAFETY: log is a live i32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
         let zc = |mats, log| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len };
