@@ -66,9 +66,15 @@ fn tmp(name: &str) -> PathBuf {
 
 /// Records a profile of MODEL with --expert-profile-out over two prompts.
 fn record_profile(dir: &Path) -> PathBuf {
-    let m = model(MODEL);
+    record_profile_of(MODEL, &[], dir)
+}
+
+fn record_profile_of(name: &str, extra: &[&str], dir: &Path) -> PathBuf {
+    let m = model(name);
     let out = dir.join("profile.json");
-    let s = Server::start(&["-m", m.to_str().unwrap(), "-c", "2048", "--expert-profile-out", out.to_str().unwrap()], &[]);
+    let mut args = vec!["-m", m.to_str().unwrap(), "-c", "2048", "--expert-profile-out", out.to_str().unwrap()];
+    args.extend(extra);
+    let s = Server::start(&args, &[]);
     generate(&s, LONG);
     generate(&s, SHORT);
     drop(s);
@@ -366,4 +372,17 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("experts: 5 MoE layers x 16 experts"), "{log}");
+    drop(s);
+
+    // The verify batches (2-5 tokens) through the zero-copy graph, run on the CPU.
+    let dir = tmp("mtp-zero-copy");
+    let profile = record_profile_of("tiny-qwen35moe-mtp.gguf", &["--spec-type", "draft-mtp"], &dir);
+    let root = guard_root(&dir, 64 << 20);
+    let args = ["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "20"];
+    let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", "mapped")]);
+    let got = generate(&s, LONG);
+    assert_same(&want, &got, "MTP drafting over zero-copy decode");
+    assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("(zero-copy, one device graph per step"), "{log}");
 }
