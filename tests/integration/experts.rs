@@ -378,7 +378,8 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     let dir = tmp("mtp-zero-copy");
     let profile = record_profile_of("tiny-qwen35moe-mtp.gguf", &["--spec-type", "draft-mtp"], &dir);
     let root = guard_root(&dir, 64 << 20);
-    let args = ["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "20"];
+    let args =
+        ["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "20"];
     let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", "mapped")]);
     let got = generate(&s, LONG);
     assert_same(&want, &got, "MTP drafting over zero-copy decode");
