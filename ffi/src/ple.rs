@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use strata_residency::direct_io::{ReadPool, Stats as IoStats, LATENCY_BUCKETS_US};
 use strata_residency::gguf;
-use strata_residency::ple::{PleTable, RowCache};
+use strata_residency::ple::{NgramHash, PleTable, RowCache};
 
 use crate::hooks::PleRows;
 use crate::sys;
@@ -61,6 +61,7 @@ struct Counters {
     cache_hits: AtomicU64,
     fallbacks: AtomicU64,
     prefetched: AtomicU64,
+    prefetch_used: AtomicU64,
 }
 
 struct Provider {
@@ -70,6 +71,11 @@ struct Provider {
     counters: Counters,
     /// The table has a row per token (gemma4), so a prompt's rows are known before its batches.
     rows_are_tokens: bool,
+    /// qwen4exp: rows are hashed n-grams of the tokens (None: another table, or unreadable
+    /// parameters, then no prefetch).
+    hash: Option<NgramHash>,
+    /// Rows the prefetcher read that no batch has used yet.
+    prefetched_rows: Mutex<HashSet<u32>>,
     /// Rows a prefetch is reading now; a batch that needs one waits for it instead of reading it
     /// again.
     inflight: Mutex<HashSet<u32>>,
@@ -99,17 +105,23 @@ pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
     let pool = ReadPool::open(path, cfg.threads, true).map_err(|e| format!("{}: cannot start the PLE readers: {e}", path.display()))?;
     let setup = PleSetup { table_bytes: table.bytes(), row_bytes: table.row_bytes, n_rows: table.n_rows, threads: pool.threads(), direct: pool.direct() };
     let arch = info.get("general.architecture").and_then(|v| v.as_str()).unwrap_or_default();
+    let hash = match arch {
+        "qwen4exp" => ngram_hash(&info, arch).map_err(|e| crate::log(Verbosity::Warn, &format!("srv     ple_rows: no prefetch: {e}\n"))).ok(),
+        _ => None,
+    };
     let provider = Arc::new(Provider {
         table,
         pool,
         cache: Mutex::new(RowCache::new(cfg.cache_bytes)),
         counters: Counters::default(),
         rows_are_tokens: matches!(arch, "gemma4" | "gemma3n"),
+        hash,
+        prefetched_rows: Mutex::new(HashSet::new()),
         inflight: Mutex::new(HashSet::new()),
         landed: Condvar::new(),
         prefetch: Mutex::new(None),
     });
-    if provider.rows_are_tokens && cfg.cache_bytes > 0 {
+    if (provider.rows_are_tokens || provider.hash.is_some()) && cfg.cache_bytes > 0 {
         let (tx, rx) = mpsc::channel::<Vec<u32>>();
         let weak = Arc::downgrade(&provider);
         std::thread::Builder::new()
@@ -148,6 +160,21 @@ pub(crate) fn serves(model: *const sys::llama_model, table: *const sys::ggml_ten
     let mut b = BOUND.write().unwrap_or_else(|e| e.into_inner());
     b.get_or_insert_with(HashMap::new).insert(model as usize, p);
     true
+}
+
+/// qwen4exp's n-gram hash parameters from the file's metadata (the keys llama.cpp reads).
+fn ngram_hash(info: &gguf::GgufInfo, arch: &str) -> Result<NgramHash, String> {
+    let get = |name: &str| info.get(&format!("{arch}.ple.{name}")).ok_or_else(|| format!("the model has no {arch}.ple.{name}"));
+    let int = |name: &str| get(name)?.as_u64().ok_or_else(|| format!("{arch}.ple.{name} is not a non-negative integer"));
+    let list = |name: &str| Ok::<_, String>(get(name)?.as_ints().ok_or_else(|| format!("{arch}.ple.{name} is not a short integer array"))?.to_vec());
+    NgramHash::new(
+        int("ngram_size")? as usize,
+        int("heads_per_ngram")? as usize,
+        list("layer_multipliers")?,
+        list("head_offsets")?,
+        list("head_vocab_sizes")?,
+        int("eos_token_id")? as i64,
+    )
 }
 
 pub(crate) fn forget_model(model: *const sys::llama_model) {
@@ -224,6 +251,13 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
         });
     }
     p.counters.cache_hits.fetch_add(have.len() as u64, Ordering::Relaxed);
+    {
+        let mut pre = p.prefetched_rows.lock().unwrap_or_else(|e| e.into_inner());
+        if !pre.is_empty() {
+            let used = have.keys().filter(|r| pre.remove(r)).count();
+            p.counters.prefetch_used.fetch_add(used as u64, Ordering::Relaxed);
+        }
+    }
     if !missing.is_empty() {
         missing.sort_unstable();
         let read = read_from_file(p, &missing)?;
@@ -288,6 +322,7 @@ fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
         todo.sort_unstable();
         if read_from_file(&p, &todo).is_ok() {
             p.counters.prefetched.fetch_add(todo.len() as u64, Ordering::Relaxed);
+            p.prefetched_rows.lock().unwrap_or_else(|e| e.into_inner()).extend(&todo);
         }
         let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
         for r in &todo {
@@ -298,19 +333,27 @@ fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
     }
 }
 
-/// Starts reading the rows of a prompt's `tokens` that the model's batches will need, one
-/// `chunk` of tokens after another, while the engine decodes. A no-op unless the model's table
-/// is served from the file and indexed by token; at most half the row cache is prefetched so
-/// that early rows are not evicted before their batch runs.
-pub fn prefetch(model: *const sys::llama_model, tokens: &[i32], chunk: usize) {
+/// Starts reading the rows that the batches of `prompt[from..]` will need, one `chunk` of tokens
+/// after another, while the engine decodes (`prompt[..from]` is already in the sequence). A no-op
+/// unless the model's table is served from the file and its rows are known from the tokens (a
+/// row per token, or qwen4exp's n-gram hash); at most half the row cache is prefetched so that
+/// early rows are not evicted before their batch runs.
+pub fn prefetch(model: *const sys::llama_model, prompt: &[i32], from: usize, chunk: usize) {
     let Some(p) = bound(model) else { return };
-    if !p.rows_are_tokens {
-        return;
-    }
     let Some(tx) = p.prefetch.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+    let from = from.min(prompt.len());
+    let (rows, per_token): (Vec<u32>, usize) = if p.rows_are_tokens {
+        (prompt[from..].iter().filter_map(|&t| u32::try_from(t).ok()).collect(), 1)
+    } else if let Some(h) = p.hash.as_ref() {
+        let mut rows = Vec::with_capacity((prompt.len() - from) * h.heads());
+        h.rows(prompt, from, &mut rows);
+        (rows, h.heads())
+    } else {
+        return;
+    };
     let budget = (p.cache.lock().map(|c| c.budget()).unwrap_or(0) / 2 / p.table.row_bytes.max(1)) as usize;
-    let rows: Vec<u32> = tokens.iter().filter_map(|&t| u32::try_from(t).ok()).filter(|&r| u64::from(r) < p.table.n_rows).take(budget).collect();
-    for c in rows.chunks(chunk.max(1)) {
+    let rows: Vec<u32> = rows.into_iter().filter(|&r| u64::from(r) < p.table.n_rows).take(budget).collect();
+    for c in rows.chunks(chunk.max(1) * per_token) {
         if tx.send(c.to_vec()).is_err() {
             return;
         }
@@ -351,6 +394,8 @@ pub struct PleStats {
     pub rows: u64,
     pub cache_hits: u64,
     pub prefetched: u64,
+    /// Prefetched rows that a batch then used.
+    pub prefetch_used: u64,
     pub cache_bytes: u64,
     pub fallbacks: u64,
     pub reads: u64,
@@ -374,6 +419,7 @@ pub fn stats() -> Option<PleStats> {
         s.rows += p.counters.rows.load(Ordering::Relaxed);
         s.cache_hits += p.counters.cache_hits.load(Ordering::Relaxed);
         s.prefetched += p.counters.prefetched.load(Ordering::Relaxed);
+        s.prefetch_used += p.counters.prefetch_used.load(Ordering::Relaxed);
         s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
         s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
         s.reads += io.reads.load(Ordering::Relaxed);

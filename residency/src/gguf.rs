@@ -244,6 +244,8 @@ impl ValueType {
 
 /// A metadata value. Arrays are checked to the last byte but only their type and length are
 /// kept: nothing here needs the vocabulary, and keeping it would let a hostile header allocate.
+/// Integer arrays of up to [`SMALL_INT_ARRAY`] elements are the exception (their little-endian
+/// bits, zero-extended to u64).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Value {
     U8(u8),
@@ -255,7 +257,15 @@ pub enum Value {
     F32(f32),
     Bool(bool),
     Str(String),
-    Array { elem: ValueType, len: u64 },
+    Array {
+        elem: ValueType,
+        len: u64,
+    },
+    /// An integer array of at most [`SMALL_INT_ARRAY`] elements, kept.
+    Ints {
+        elem: ValueType,
+        values: Vec<u64>,
+    },
     U64(u64),
     I64(i64),
     F64(f64),
@@ -273,7 +283,7 @@ impl Value {
             Value::F32(_) => ValueType::F32,
             Value::Bool(_) => ValueType::Bool,
             Value::Str(_) => ValueType::Str,
-            Value::Array { .. } => ValueType::Array,
+            Value::Array { .. } | Value::Ints { .. } => ValueType::Array,
             Value::U64(_) => ValueType::U64,
             Value::I64(_) => ValueType::I64,
             Value::F64(_) => ValueType::F64,
@@ -291,6 +301,14 @@ impl Value {
             Value::I16(v) => u64::try_from(v).ok(),
             Value::I32(v) => u64::try_from(v).ok(),
             Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// A kept integer array's elements.
+    pub fn as_ints(&self) -> Option<&[u64]> {
+        match self {
+            Value::Ints { values, .. } => Some(values),
             _ => None,
         }
     }
@@ -435,6 +453,10 @@ fn check_version(version: u32) -> Result<(), GgufError> {
     }
 }
 
+/// Integer arrays up to this length are kept (hash constants and the like); longer ones, and
+/// arrays of other types, only by type and length.
+pub const SMALL_INT_ARRAY: u64 = 64;
+
 fn read_value(cur: &mut Cursor, key: &str, type_id: u32) -> Result<Value, GgufError> {
     let bad_type = |type_id| GgufError::BadValueType { key: key.to_string(), type_id };
     let value_type = ValueType::from_id(type_id).ok_or_else(|| bad_type(type_id))?;
@@ -455,8 +477,26 @@ fn read_value(cur: &mut Cursor, key: &str, type_id: u32) -> Result<Value, GgufEr
             let elem_id = cur.u32()?;
             let elem = ValueType::from_id(elem_id).ok_or_else(|| bad_type(elem_id))?;
             let len = cur.u64()?;
-            skip_array(cur, key, elem, len, 1)?;
-            Value::Array { elem, len }
+            let int = matches!(
+                elem,
+                ValueType::U8 | ValueType::I8 | ValueType::U16 | ValueType::I16 | ValueType::U32 | ValueType::I32 | ValueType::U64 | ValueType::I64
+            );
+            if int && len <= SMALL_INT_ARRAY {
+                let size = elem.fixed_size().unwrap_or(8);
+                let bytes = cur.take(len * size)?;
+                let values = bytes
+                    .chunks_exact(size as usize)
+                    .map(|c| {
+                        let mut b = [0u8; 8];
+                        b[..c.len()].copy_from_slice(c);
+                        u64::from_le_bytes(b)
+                    })
+                    .collect();
+                Value::Ints { elem, values }
+            } else {
+                skip_array(cur, key, elem, len, 1)?;
+                Value::Array { elem, len }
+            }
         }
     })
 }

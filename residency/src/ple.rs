@@ -62,6 +62,77 @@ impl PleTable {
     }
 }
 
+/// qwen4exp's PLE rows of a token: `heads_per_ngram` rows for each n-gram of 2..=n_gram tokens
+/// ending at it, row = (XOR over the n-gram of token x multiplier) % head_vocab + head_offset,
+/// computed on the host as llama.cpp's set_input does (models/qwen4exp.cpp), so that a prompt's
+/// rows are known before its batches run. A predecessor before the sequence start, or at or
+/// before an EOS in the window, counts as EOS; the token's own EOS does not cut its window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NgramHash {
+    pub n_gram: usize,
+    pub heads_per_ngram: usize,
+    pub multipliers: Vec<u64>,
+    pub head_offsets: Vec<u64>,
+    pub head_vocab_sizes: Vec<u64>,
+    pub eos: i64,
+}
+
+impl NgramHash {
+    /// Checks the shapes llama.cpp checks at load (n-gram 2..=8, 1..=64 heads, ranges in i32).
+    pub fn new(
+        n_gram: usize,
+        heads_per_ngram: usize,
+        multipliers: Vec<u64>,
+        head_offsets: Vec<u64>,
+        head_vocab_sizes: Vec<u64>,
+        eos: i64,
+    ) -> Result<Self, String> {
+        let heads = n_gram.saturating_sub(1) * heads_per_ngram;
+        if !(2..=8).contains(&n_gram) || heads == 0 || heads > 64 {
+            return Err(format!("PLE n-gram size {n_gram} with {heads_per_ngram} heads each is out of range"));
+        }
+        if multipliers.len() != n_gram || head_offsets.len() != heads || head_vocab_sizes.len() != heads {
+            return Err(format!(
+                "PLE hash arrays have {}, {} and {} entries; {n_gram}, {heads} and {heads} expected",
+                multipliers.len(),
+                head_offsets.len(),
+                head_vocab_sizes.len()
+            ));
+        }
+        if head_offsets.iter().zip(&head_vocab_sizes).any(|(&o, &v)| v == 0 || o.saturating_add(v) > i32::MAX as u64) {
+            return Err("a PLE head range does not fit the int32 row index".into());
+        }
+        Ok(Self { n_gram, heads_per_ngram, multipliers, head_offsets, head_vocab_sizes, eos })
+    }
+
+    /// Rows per token.
+    pub fn heads(&self) -> usize {
+        (self.n_gram - 1) * self.heads_per_ngram
+    }
+
+    /// Appends the rows of tokens[from..], each token's heads in order, with tokens[..i] as the
+    /// predecessors of token i.
+    pub fn rows(&self, tokens: &[i32], from: usize, out: &mut Vec<u32>) {
+        let mut ctx = vec![0i64; self.n_gram];
+        for i in from..tokens.len() {
+            ctx[0] = i64::from(tokens[i]);
+            let mut cut = false;
+            for s in 1..self.n_gram {
+                let t = if cut || i < s { -1 } else { i64::from(tokens[i - s]) };
+                cut = cut || t < 0 || t == self.eos;
+                ctx[s] = if cut { self.eos } else { t };
+            }
+            for n in 2..=self.n_gram {
+                let mixed = ctx[..n].iter().zip(&self.multipliers).fold(0u64, |m, (&t, &k)| m ^ (t as u64).wrapping_mul(k));
+                let base = (n - 2) * self.heads_per_ngram;
+                for h in base..base + self.heads_per_ngram {
+                    out.push((mixed % self.head_vocab_sizes[h] + self.head_offsets[h]) as u32);
+                }
+            }
+        }
+    }
+}
+
 /// Rows read from the table, least recently used evicted first to stay within `budget` bytes.
 #[derive(Debug)]
 pub struct RowCache {
@@ -196,5 +267,32 @@ mod tests {
         let mut none = info([64, 10], 1, 0, 1280, 8192);
         none.tensors[0].name = "token_embd.weight".into();
         assert_eq!(PleTable::find(&none), Ok(None));
+    }
+
+    #[test]
+    fn ngram_rows_follow_the_hash_with_eos_and_the_sequence_start_as_resets() {
+        // bigrams and trigrams, one head each: offsets 0 and 100, vocabularies 97 and 89
+        let h = NgramHash::new(3, 1, vec![3, 5, 7], vec![0, 100], vec![97, 89], 2).unwrap();
+        assert_eq!(h.heads(), 2);
+        let row = |ctx: &[u64]| -> Vec<u32> {
+            let bi = (ctx[0] * 3) ^ (ctx[1] * 5);
+            let tri = bi ^ (ctx[2] * 7);
+            vec![(bi % 97) as u32, (tri % 89 + 100) as u32]
+        };
+        let mut out = Vec::new();
+        h.rows(&[10, 11, 2, 12, 13], 0, &mut out);
+        let mut want = Vec::new();
+        want.extend(row(&[10, 2, 2])); // before the start: EOS
+        want.extend(row(&[11, 10, 2]));
+        want.extend(row(&[2, 11, 10])); // its own EOS does not cut
+        want.extend(row(&[12, 2, 2])); // EOS one back: everything at and before it is EOS
+        want.extend(row(&[13, 12, 2]));
+        assert_eq!(out, want);
+        let mut tail = Vec::new();
+        h.rows(&[10, 11, 2, 12, 13], 3, &mut tail);
+        assert_eq!(tail, want[6..], "rows from a position on see the tokens before it");
+        assert!(NgramHash::new(1, 1, vec![3], vec![], vec![], 2).is_err());
+        assert!(NgramHash::new(3, 1, vec![3, 5], vec![0, 100], vec![97, 89], 2).is_err());
+        assert!(NgramHash::new(3, 1, vec![3, 5, 7], vec![0, i32::MAX as u64], vec![97, 89], 2).is_err());
     }
 }

@@ -34,6 +34,7 @@ pub fn metrics_text(s: Option<PleStats>) -> String {
     one("ple_rows_total", "counter", "PLE rows supplied to prompt and decode batches", s.rows);
     one("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits);
     one("ple_rows_prefetched_total", "counter", "PLE rows of a prompt read ahead of its batches", s.prefetched);
+    one("ple_rows_prefetch_used_total", "counter", "Prefetched PLE rows that a batch then used", s.prefetch_used);
     one("ple_cache_bytes", "gauge", "Bytes of PLE rows held in the RAM row cache", s.cache_bytes);
     one("ple_reads_total", "counter", "PLE row reads from the model file", s.reads);
     one(

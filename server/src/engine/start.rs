@@ -176,7 +176,7 @@ impl<'m> Engine<'m> {
             }
         }
         slot.cache.truncate(keep);
-        strata_ffi::ple::prefetch(self.ctx.model().as_ptr(), &task.prompt[keep..], self.n_ubatch);
+        strata_ffi::ple::prefetch(self.ctx.model().as_ptr(), &task.prompt, keep, self.n_ubatch);
         let n_predict_max = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
         let mut sampler = sampler;
         if let Err(e) = task.prompt.iter().try_for_each(|&t| sampler.accept(t, false)) {
