@@ -122,6 +122,8 @@ fn mini_tree(name: &str) -> PathBuf {
     for f in [
         "ggml/src/ggml-cuda/ggml-cuda.cu",
         "ggml/src/ggml-cuda/mmq.cu",
+        "ggml/src/ggml-cuda/mmvq.cu",
+        "ggml/src/ggml-cpu/ggml-cpu.c",
         "include/llama.h",
         "src/CMakeLists.txt",
         "src/llama-context.cpp",
