@@ -284,30 +284,24 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
-    let n_tiered = p.layout.layers.len();
-    let decode = if placement.zero_copy_layers > 0 {
-        format!(
-            "read by {} from the page-locked RAM copy in {} of {n_tiered} tiered layers (zero-copy, one device graph per step; prompt batches and the rest on ",
-            placement.hot_device, placement.zero_copy_layers
-        )
-    } else {
-        String::new()
+    let cpu = match (placement.workers, cfg.pcie_frac) {
+        (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
+        (0, _) => "the CPU backend's threads".into(),
+        (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
+        (n, _) => format!("a pool of {n} workers"),
+    } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" };
+    let decode = match (placement.zero_copy_layers, &placement.zero_copy_off) {
+        (n, _) if n > 0 => format!(
+            "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step; prompt batches and the rest on {cpu})",
+            placement.hot_device,
+            p.layout.layers.len()
+        ),
+        (_, Some(why)) => format!("on {cpu} (zero-copy decode off: {why})"),
+        _ => format!("on {cpu}"),
     };
     let msg = format!(
-        "experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode {decode}{}{}{}; placed in {place_s:.1} s",
-        placement.experts[Tier::Hot as usize],
-        if decode.is_empty() { "on " } else { "" },
-        match (placement.workers, cfg.pcie_frac) {
-            (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
-            (0, _) => "the CPU backend's threads".into(),
-            (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
-            (n, _) => format!("a pool of {n} workers"),
-        } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" },
-        match (&placement.zero_copy_off, placement.zero_copy_layers) {
-            (_, n) if n > 0 => ")".to_string(),
-            (Some(why), _) => format!(" (zero-copy decode off: {why})"),
-            (None, _) => String::new(),
-        }
+        "experts: {} of {n_pairs} in the hot tier ({budget_note}); {hit_note}; cold experts in decode {decode}; placed in {place_s:.1} s",
+        placement.experts[Tier::Hot as usize]
     );
     crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &msg);
     match (&placement.ring, ring_half) {

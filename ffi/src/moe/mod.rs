@@ -943,11 +943,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Some(ColdDecode::Cpu) => false,
             None => gpu && plan.cold == ColdCopy::PinnedRam,
         };
-    if !zero_copy_wanted && gpu && plan.switches.cold_decode.is_none() && !plan.count_only {
-        placement.zero_copy_off = Some(match plan.cold {
-            ColdCopy::PinnedRam => "not asked".into(),
-            _ => "the cold experts are not a page-locked copy (--resident-experts)".into(),
-        });
+    if gpu && plan.switches.cold_decode.is_none() && !plan.count_only && plan.cold != ColdCopy::PinnedRam {
+        placement.zero_copy_off = Some("the cold experts are not a page-locked copy (--resident-experts)".into());
     }
     let mut max_expert_bytes = 0usize;
     let mut entries = Vec::new();
