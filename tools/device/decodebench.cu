@@ -14,7 +14,7 @@
 // (c) today's split: per layer the stream is synchronised, 8 KiB (the hidden state) go to the
 //     host and back, and the next kernel is launched.
 // Prints one JSON object per measurement.
-#include <cuda_runtime.h>
+#include "bench.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -23,15 +23,6 @@
 #include <cstdlib>
 #include <thread>
 #include <vector>
-
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                          \
-        }                                                                                          \
-    } while (0)
 
 static const int LAYERS = 48;
 static const int N_EXPERT = 512;
@@ -76,10 +67,6 @@ __global__ void wait_for(volatile int * flag, int v) {
     }
 }
 
-static double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // Median microseconds per call of f over reps (after a warm-up), timed with events on s.
 template <typename F> static double time_us(cudaStream_t s, int reps, F f) {
     cudaEvent_t a, b;
@@ -97,8 +84,7 @@ template <typename F> static double time_us(cudaStream_t s, int reps, F f) {
             v.push_back(ms * 1e3);
         }
     }
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    return median(v);
 }
 
 int main() {
@@ -208,14 +194,14 @@ int main() {
                 v.push_back((now_s() - t0) * 1e6);
             }
         }
-        std::sort(v.begin(), v.end());
+        const double token_us = median(v);
         double base = time_us(s, 20, [&] {
             for (int l = 0; l < LAYERS; ++l) {
                 layer_reads(dev, ids, 1, out, s);
             }
         });
         std::printf("{\"mechanism\":\"split\",\"layers\":%d,\"us_per_token\":%.1f,\"us_per_layer_over_reads\":%.2f}\n", LAYERS,
-                    v[v.size() / 2], (v[v.size() / 2] - base) / LAYERS);
+                    token_us, (token_us - base) / LAYERS);
     }
     return 0;
 }

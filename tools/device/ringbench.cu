@@ -6,7 +6,7 @@
 //
 // GIB: size of the pageable "RAM copy" experts are gathered from (default 16). Prints one JSON
 // object per line, then a table.
-#include <cuda_runtime.h>
+#include "bench.cuh"
 
 #include <algorithm>
 #include <chrono>
@@ -19,25 +19,7 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                  \
-        }                                                                                  \
-    } while (0)
-
 static const size_t EXPERT = 1204224;  // gate + up + down of one expert, IQ3_XXS, d=2048, ff=512
-
-static double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
 
 // A kernel that keeps every SM busy for about `iters` steps of dependent FMAs: the compute a
 // copy must hide behind.
