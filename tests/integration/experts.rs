@@ -46,6 +46,13 @@ fn metric(s: &Server, name: &str, tier: &str) -> u64 {
     text.lines().find_map(|l| l.strip_prefix(&key)).unwrap_or_else(|| panic!("no {key} in\n{text}")).parse().unwrap()
 }
 
+/// The unsplit model's answers to SHORT and LONG, without repacking, as the split runs keep
+/// every expert in GGUF layout.
+fn unsplit(m: &str) -> (Value, Value) {
+    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
+    (generate(&reference, SHORT), generate(&reference, LONG))
+}
+
 /// A cgroup-v2 fixture root for the memory guard: no limits, `avail_kib` of MemAvailable.
 fn guard_root(dir: &Path, avail_kib: u64) -> PathBuf {
     let root = dir.join("root");
@@ -85,10 +92,7 @@ fn record_profile_of(name: &str, extra: &[&str], dir: &Path) -> PathBuf {
 fn split_experts_match_the_unsplit_model() {
     let m = model(MODEL);
     let m = m.to_str().unwrap();
-    // The reference without repacking, as the split run keeps every expert in GGUF layout.
-    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
-    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
-    drop(reference);
+    let (ref_short, ref_long) = unsplit(m);
 
     // Decode-sized batches: cold experts from the mapping, computed by the CPU kernels.
     let mapped = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30"], &[]);
@@ -181,9 +185,7 @@ fn split_experts_match_the_unsplit_model() {
 fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() {
     let m = model(MODEL);
     let m = m.to_str().unwrap();
-    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
-    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
-    drop(reference);
+    let (ref_short, ref_long) = unsplit(m);
 
     let dir = tmp("zero-copy");
     let profile = record_profile(&dir);
@@ -217,9 +219,7 @@ fn counter(s: &Server, name: &str) -> u64 {
 fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     let m = model(MODEL);
     let m = m.to_str().unwrap();
-    let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
-    let (ref_short, ref_long) = (generate(&reference, SHORT), generate(&reference, LONG));
-    drop(reference);
+    let (ref_short, ref_long) = unsplit(m);
 
     // Cold experts from the mapping through the staging buffer; a half holds a whole layer.
     let trace = tmp("ring-trace").join("trace.jsonl");
