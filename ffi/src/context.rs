@@ -97,6 +97,9 @@ impl<'m> Context<'m> {
         let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         crate::op_profile::batch_end(batch.raw().n_tokens, t0.elapsed());
         self.count_logged_routing();
+        let ctx = self.ptr.as_ptr();
+        // SAFETY: valid context.
+        crate::moe::adapt::after_batch(&mut || unsafe { sys::llama_synchronize(ctx) });
         DecodeError::check(rc)
     }
 

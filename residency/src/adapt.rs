@@ -97,6 +97,14 @@ impl Adapter {
         }
     }
 
+    /// Adds `counts[e]` selections of expert e in `layer` (a tally read since the last interval).
+    pub fn observe_counts(&mut self, layer: i32, counts: &[u64]) {
+        let Some(l) = self.layers.iter_mut().find(|l| l.layer == layer) else { return };
+        for (c, &n) in l.counts.iter_mut().zip(counts) {
+            *c += n;
+        }
+    }
+
     /// The hot experts of `layer` in slot order, as the swaps so far left them.
     pub fn hot(&self, layer: i32) -> Option<&[u32]> {
         self.layers.iter().find(|l| l.layer == layer).map(|l| l.hot.as_slice())
@@ -211,6 +219,15 @@ mod tests {
         }
         assert_eq!(a.interval(), [Swap { layer: 1, slot: 0, out: 0, into: 2 }]);
         assert_eq!(a.interval(), [Swap { layer: 0, slot: 0, out: 0, into: 3 }]);
+    }
+
+    #[test]
+    fn counts_add_up_as_selections_do() {
+        let mut a = one_layer(vec![0], 4, None);
+        let mut b = one_layer(vec![0], 4, None);
+        a.observe_counts(0, &[1, 0, 9, 0, 5]);
+        b.observe(0, &[0, 2, 2, 2, 2, 2, 2, 2, 2, 2]);
+        assert_eq!(a.interval(), b.interval());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use strata_residency::plan;
 use strata_residency::profile::Profile;
 
 use crate::cli::flags::{CacheSize, StrataArgs};
-use crate::engine::metrics::strata_line;
+use crate::engine::metrics::{strata_line, strata_lines};
 
 /// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
 /// GPU library's workspaces may grow past what the context reserved.
@@ -33,6 +33,8 @@ pub struct ExpertConfig {
     pub pool_workers: i32,
     pub vram_reserve_mib: u64,
     pub pcie_frac: f64,
+    /// --adapt-every: batches per adaptation interval (0: the placement stays as made).
+    pub adapt_every: u64,
     /// Write the counted selections as a ranked profile here after every request.
     pub record: Option<PathBuf>,
     /// Whether a hot tier is wanted (every expert flag but --expert-profile-out alone).
@@ -60,6 +62,7 @@ impl ExpertConfig {
             pool_workers: a.pool_workers.unwrap_or(0),
             vram_reserve_mib: a.vram_reserve_mib.unwrap_or(0),
             pcie_frac: a.pcie_frac.unwrap_or(0.0),
+            adapt_every: a.adapt_every.unwrap_or(0),
             ring_slots: match std::env::var("STRATA_PREFILL_RING") {
                 Ok(v) if !v.trim().is_empty() => {
                     Some(v.trim().parse().map_err(|_| format!("STRATA_PREFILL_RING: invalid value '{v}': expected a number of slots (0 turns the ring off)"))?)
@@ -82,8 +85,14 @@ impl ExpertConfig {
                 },
             },
         };
-        if cfg.resident_cpu && cfg.profile.is_none() {
-            return Err("--resident-cpu-experts needs a fixed ranked --expert-profile (write one with tools/expert-profile)".into());
+        if cfg.resident_cpu && cfg.profile.is_none() && cfg.adapt_every == 0 {
+            return Err(
+                "--resident-cpu-experts needs a fixed ranked --expert-profile (write one with tools/expert-profile), or --adapt-every N to learn one at run time"
+                    .into(),
+            );
+        }
+        if cfg.adapt_every > 0 && hot_tier && !cfg.resident_cpu {
+            return Err("--adapt-every exchanges experts between the hot tier and a RAM copy of the cold ones: add --resident-experts (or --resident-cpu-experts); with --mmap-experts alone the cold experts are read from the model file".into());
         }
         Ok(Some(cfg))
     }
@@ -250,6 +259,11 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         cold_share,
         pcie_frac: cfg.pcie_frac,
         ring_half,
+        adapt: (cfg.adapt_every > 0).then(|| moe::adapt::AdaptPlan {
+            every: cfg.adapt_every,
+            policy: strata_residency::adapt::Policy::default(),
+            prior: p.profile.as_ref().map(|prof| prior(prof, p.layout.n_expert)).unwrap_or_default(),
+        }),
         switches: cfg.switches.clone(),
     };
     let t0 = std::time::Instant::now();
@@ -284,6 +298,22 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
+    if cfg.adapt_every > 0 && cfg.hot_tier {
+        let policy = strata_residency::adapt::Policy::default();
+        let line = match (placement.adapt_layers, &placement.adapt_off) {
+            (0, why) => format!("experts: --adapt-every {}: no tiered layer can adapt ({})", cfg.adapt_every, why.as_deref().unwrap_or("no layer has both tiers")),
+            (n, _) => format!(
+                "experts: adapting {n} of {} tiered layers every {} batches from {}: at most {} swaps an interval, {} after each batch, through a {} staging buffer",
+                p.layout.layers.len(),
+                cfg.adapt_every,
+                if p.profile.is_some() { "the profile's placement" } else { "an even placement" },
+                policy.max_swaps,
+                moe::adapt::SWAPS_PER_BATCH,
+                if moe::has_gpu() { "page-locked" } else { "host" },
+            ),
+        };
+        crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
+    }
     let cpu = match (placement.workers, cfg.pcie_frac) {
         (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
         (0, _) => "the CPU backend's threads".into(),
@@ -340,14 +370,30 @@ impl Residency {
         family("expert_selections_last_step", "gauge", "Selected experts served from each tier in the last decode step", st.last_step);
         let uploads_help = "Cold experts copied to the GPU in decode instead of computed on the CPU (--pcie-frac)";
         strata_line(&mut out, "expert_uploads_total", "counter", uploads_help, moe::uploads());
+        if let Some(a) = moe::adapt::counters() {
+            strata_lines(
+                &mut out,
+                &[
+                    ("expert_adapt_intervals_total", "counter", "Adaptation intervals ended (--adapt-every)", a.intervals),
+                    ("expert_swaps_last_interval", "gauge", "Swaps between the hot tier and the RAM copy planned by the last interval", a.last_interval),
+                    ("expert_swaps_pending", "gauge", "Planned swaps not yet made", a.pending),
+                    ("expert_swaps_total", "counter", "Experts exchanged between the hot tier and the RAM copy", a.swaps),
+                    ("expert_swap_bytes_total", "counter", "Bytes moved by expert swaps, both directions", a.bytes),
+                ],
+            );
+        }
         if let Some(r) = moe::ring_stats() {
-            let mut one = |name: &str, kind: &str, help: &str, v: u64| strata_line(&mut out, name, kind, help, v);
-            one("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes);
-            one("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch);
-            one("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits);
-            one("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills);
-            one("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls);
-            one("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches);
+            strata_lines(
+                &mut out,
+                &[
+                    ("prefill_ring_h2d_bytes_total", "counter", "Bytes of cold experts copied host-to-device into the prefill ring", r.h2d_bytes),
+                    ("prefill_ring_h2d_bytes_last_batch", "gauge", "Bytes copied into the prefill ring for the last prompt batch", r.h2d_bytes_last_batch),
+                    ("prefill_ring_hits_total", "counter", "Used cold experts already in the ring (prefetched) when their layer ran", r.hits),
+                    ("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills),
+                    ("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls),
+                    ("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches),
+                ],
+            );
         }
         out
     }
@@ -359,6 +405,24 @@ impl Residency {
             crate::log::srv(strata_ffi::Verbosity::Error, "request_done", &e.to_string());
         }
     }
+}
+
+/// The profile's selections per expert, by layer: adaptation's prior.
+fn prior(prof: &Profile, n_expert: u32) -> Vec<(i32, Vec<u64>)> {
+    let mut out: Vec<(i32, Vec<u64>)> = Vec::new();
+    for e in &prof.ranked {
+        let i = match out.iter().position(|(l, _)| *l == e.layer as i32) {
+            Some(i) => i,
+            None => {
+                out.push((e.layer as i32, vec![0; n_expert as usize]));
+                out.len() - 1
+            }
+        };
+        if let Some(h) = out[i].1.get_mut(e.expert as usize) {
+            *h = e.hits;
+        }
+    }
+    out
 }
 
 fn write_profile(r: &Recorder) -> Result<(), String> {
@@ -402,6 +466,11 @@ mod tests {
         assert_eq!((c.pool_workers, c.vram_reserve_mib), (15, 1024));
         let e = ExpertConfig::from_args(&args(&["--resident-cpu-experts"])).unwrap_err();
         assert!(e.contains("--expert-profile"), "{e}");
+        let c = ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "8"])).unwrap().unwrap();
+        assert_eq!(c.adapt_every, 8);
+        assert!(ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "0"])).is_err(), "0 is off: a profile is needed");
+        let e = ExpertConfig::from_args(&args(&["--mmap-experts", "--adapt-every", "8"])).unwrap_err();
+        assert!(e.contains("--adapt-every") && e.contains("--resident-experts"), "{e}");
         let c = ExpertConfig::from_args(&args(&["--resident-experts", "--expert-profile", "p.json"])).unwrap().unwrap();
         assert!(c.resident_cpu && c.pinned);
     }

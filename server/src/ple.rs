@@ -4,7 +4,7 @@
 use strata_ffi::ple::{PleConfig, PleStats};
 
 use crate::cli::flags::{PleMode, StrataArgs};
-use crate::engine::metrics::strata_line;
+use crate::engine::metrics::strata_lines;
 
 /// STRATA_IO_THREADS's default: enough readers to keep an NVMe queue busy with one batch's rows.
 pub const DEFAULT_IO_THREADS: usize = 8;
@@ -30,21 +30,21 @@ pub fn config(a: &StrataArgs, io_threads: Option<&str>) -> Result<Option<PleConf
 pub fn metrics_text(s: Option<PleStats>) -> String {
     let Some(s) = s else { return String::new() };
     let mut out = String::new();
-    let mut one = |name: &str, kind: &str, help: &str, v: u64| strata_line(&mut out, name, kind, help, v);
-    one("ple_rows_total", "counter", "PLE rows supplied to prompt and decode batches", s.rows);
-    one("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits);
-    one("ple_rows_prefetched_total", "counter", "PLE rows of a prompt read ahead of its batches", s.prefetched);
-    one("ple_rows_prefetch_used_total", "counter", "Prefetched PLE rows that a batch then used", s.prefetch_used);
-    one("ple_cache_bytes", "gauge", "Bytes of PLE rows held in the RAM row cache", s.cache_bytes);
-    one("ple_reads_total", "counter", "PLE row reads from the model file", s.reads);
-    one(
-        "ple_read_bytes_total",
-        "counter",
-        "Bytes of PLE rows read from the model file (the ranges asked; direct reads widen each to 4 KiB blocks)",
-        s.bytes_read,
+    let read_bytes_help = "Bytes of PLE rows read from the model file (the ranges asked; direct reads widen each to 4 KiB blocks)";
+    strata_lines(
+        &mut out,
+        &[
+            ("ple_rows_total", "counter", "PLE rows supplied to prompt and decode batches", s.rows),
+            ("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits),
+            ("ple_rows_prefetched_total", "counter", "PLE rows of a prompt read ahead of its batches", s.prefetched),
+            ("ple_rows_prefetch_used_total", "counter", "Prefetched PLE rows that a batch then used", s.prefetch_used),
+            ("ple_cache_bytes", "gauge", "Bytes of PLE rows held in the RAM row cache", s.cache_bytes),
+            ("ple_reads_total", "counter", "PLE row reads from the model file", s.reads),
+            ("ple_read_bytes_total", "counter", read_bytes_help, s.bytes_read),
+            ("ple_read_queue", "gauge", "PLE row reads queued or in flight", s.queued),
+            ("ple_fallbacks_total", "counter", "Batches whose PLE rows were read through the mapping after a failed read", s.fallbacks),
+        ],
     );
-    one("ple_read_queue", "gauge", "PLE row reads queued or in flight", s.queued);
-    one("ple_fallbacks_total", "counter", "Batches whose PLE rows were read through the mapping after a failed read", s.fallbacks);
     out += "# HELP strata:ple_read_seconds PLE row read latency\n# TYPE strata:ple_read_seconds histogram\n";
     let mut cumulative = 0;
     for (i, n) in s.latency.iter().enumerate() {

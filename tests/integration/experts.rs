@@ -387,3 +387,82 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("(zero-copy, one device graph per step"), "{log}");
 }
+
+/// Selections served by the hot tier over the requests of `run` (SHORT and LONG twice each), as
+/// a share of all, counting only the last two.
+fn hot_share_of_repeats(s: &Server, refs: &(Value, Value), what: &str) -> f64 {
+    for _ in 0..2 {
+        assert_same(&refs.1, &generate(s, LONG), &format!("{what}, long prompt"));
+        assert_same(&refs.0, &generate(s, SHORT), &format!("{what}, short prompt"));
+    }
+    let before = [metric(s, "expert_selections_total", "vram"), metric(s, "expert_selections_total", "ram")];
+    for _ in 0..2 {
+        assert_same(&refs.1, &generate(s, LONG), &format!("{what}, long prompt again"));
+        assert_same(&refs.0, &generate(s, SHORT), &format!("{what}, short prompt again"));
+    }
+    let hot = metric(s, "expert_selections_total", "vram") - before[0];
+    let cold = metric(s, "expert_selections_total", "ram") - before[1];
+    hot as f64 / (hot + cold) as f64
+}
+
+/// A server variant: what it tests, extra flags, extra environment.
+type Variant<'a> = (&'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+
+/// --adapt-every without a profile: the hot tier starts even (the lowest-numbered experts of each
+/// layer) and follows the routing by exchanging experts with the RAM copy between batches. Every
+/// decode path keeps the unsplit model's output through the swaps, and the hot tier serves more
+/// of the same requests than the fixed even placement does.
+#[test]
+fn adaptation_follows_the_routing_and_keeps_the_output() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let refs = unsplit(m);
+    let dir = tmp("adapt");
+    let root = guard_root(&dir, 64 << 20);
+    let root = root.to_str().unwrap();
+
+    let fixed = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "24"], &[]);
+    for _ in 0..2 {
+        generate(&fixed, LONG);
+        generate(&fixed, SHORT);
+    }
+    let before = [metric(&fixed, "expert_selections_total", "vram"), metric(&fixed, "expert_selections_total", "mmap")];
+    for _ in 0..2 {
+        generate(&fixed, LONG);
+        generate(&fixed, SHORT);
+    }
+    let hot = metric(&fixed, "expert_selections_total", "vram") - before[0];
+    let fixed_share = hot as f64 / (hot + metric(&fixed, "expert_selections_total", "mmap") - before[1]) as f64;
+    drop(fixed);
+
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "4"];
+    let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root)]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("experts: adapting 4 of 4 tiered layers every 4 batches from an even placement"), "{log}");
+    let share = hot_share_of_repeats(&s, &refs, "adapting, CPU decode");
+    let (swaps, bytes) = (counter(&s, "expert_swaps_total"), counter(&s, "expert_swap_bytes_total"));
+    assert!(swaps > 0 && bytes > 0 && counter(&s, "expert_adapt_intervals_total") > 0, "swaps {swaps}, bytes {bytes}");
+    assert!(share > fixed_share + 0.05, "hot-tier share {share:.3} adapting vs {fixed_share:.3} fixed");
+    drop(s);
+
+    // The other decode paths read the maps a swap rewrites: zero-copy decode's skip maps, the
+    // worker pool, the prefill ring's record of which expert is where.
+    let variants: [Variant; 3] = [
+        ("zero-copy decode", &[], &[("STRATA_COLD_DECODE", "mapped")]),
+        ("worker pool", &["--pool-workers", "2"], &[]),
+        ("prefill ring", &[], &[("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "40")]),
+    ];
+    for (what, extra, env) in variants {
+        let mut a = args.to_vec();
+        a.extend(extra);
+        let mut e = vec![("STRATA_MEMGUARD_ROOT", root)];
+        e.extend(env);
+        let s = Server::start(&a, &e);
+        let share = hot_share_of_repeats(&s, &refs, &format!("adapting, {what}"));
+        assert!(counter(&s, "expert_swaps_total") > 0, "{what}");
+        assert!(share > fixed_share + 0.05, "{what}: hot-tier share {share:.3} adapting vs {fixed_share:.3} fixed");
+        if what == "prefill ring" {
+            assert!(counter(&s, "prefill_ring_batches_total") >= 1);
+        }
+    }
+}

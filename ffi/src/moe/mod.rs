@@ -12,6 +12,7 @@
 //! copying only the experts used; hot selections go to the RAM copy's zero pad expert, or with
 //! the mapping to a stand-in cold expert masked to zero.
 
+pub mod adapt;
 mod graph;
 mod kernels;
 mod pool;
@@ -22,7 +23,7 @@ pub use zero_copy::ColdDecode;
 
 use std::collections::HashMap;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::hooks::MoeExperts;
@@ -115,6 +116,8 @@ pub struct Plan {
     /// Slots per half of the prefill ring (0: no ring). Layers with more cold experts than a
     /// half keep the prompt path without it.
     pub ring_half: usize,
+    /// `--adapt-every`: exchange experts between the hot tier and the RAM copy at run time.
+    pub adapt: Option<adapt::AdaptPlan>,
     pub switches: Switches,
 }
 
@@ -151,6 +154,9 @@ pub struct Placement {
     /// others do not (empty when all do or none was asked to).
     pub zero_copy_layers: usize,
     pub zero_copy_off: Option<String>,
+    /// Tiered layers whose hot tier adapts at run time (`--adapt-every`), and why others do not.
+    pub adapt_layers: usize,
+    pub adapt_off: Option<String>,
 }
 
 /// Selections counted per tier and per expert since the model was attached.
@@ -231,8 +237,15 @@ pub(crate) struct LayerTiers {
     /// The cold weight tensors (for graph sources) and how the kernels read them.
     pub cold_tensors: Mats<T>,
     pub cold: Mats<ColdMat>,
-    /// expert -> row in the cold tensors, or -1 for a hot expert.
-    cold_rows: Vec<i32>,
+    /// expert -> row in the cold tensors, or -1 for a hot expert (changed by adaptation between
+    /// batches only).
+    cold_rows: Vec<AtomicI32>,
+    /// expert -> hot slot, or -1 for a cold expert (adaptation's record; graphs read the maps).
+    hot_slots: std::sync::Mutex<Vec<i32>>,
+    /// Experts the hot tier holds (its pads follow them).
+    n_hot: usize,
+    /// The cold tensors are a RAM copy made at placement (not llama.cpp's own tensors).
+    ram_copy: bool,
     /// expert -> row in the cold tensors for prompt batches: hot experts go to the pad row of the
     /// RAM copy, or with the mapping to a stand-in cold expert whose result `cold_mask` zeroes.
     pub cold_map: Option<T>,
@@ -295,7 +308,7 @@ impl LayerTiers {
     }
 
     pub(crate) fn cold_row(&self, e: i32) -> Option<usize> {
-        let row = *self.cold_rows.get(usize::try_from(e).ok()?)?;
+        let row = self.cold_rows.get(usize::try_from(e).ok()?)?.load(Ordering::Relaxed);
         usize::try_from(row).ok()
     }
 
@@ -337,7 +350,9 @@ impl LayerTiers {
         let draws = n_tok as f64 * self.n_used as f64;
         let total: u64 = self.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).sum();
         if total >= COLD_SHARE_MIN_COUNT {
-            let q = (0..self.n_expert()).filter(|&e| self.cold_rows[e] >= 0).map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64);
+            let q = (0..self.n_expert())
+                .filter(|&e| self.cold_row(e as i32).is_some())
+                .map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64);
             plan::batch_prefers_ring(&cost, draws, self.cold_share(), q)
         } else {
             let n_cold = self.n_cold.max(1) as f64;
@@ -380,6 +395,7 @@ static REGISTRY: RwLock<Option<HashMap<usize, Arc<LayerTiers>>>> = RwLock::new(N
 
 /// Drops the tiers of a model being freed.
 pub(crate) fn forget_model(model: *const sys::llama_model) {
+    adapt::forget_model(model as usize);
     if let Ok(mut r) = REGISTRY.write() {
         if let Some(map) = r.as_mut() {
             map.retain(|_, lt| lt.model != model as usize);
@@ -752,6 +768,21 @@ fn set_mask(t: T, mask: &[f32]) {
     unsafe { sys::ggml_backend_tensor_set(t, mask.as_ptr().cast(), 0, std::mem::size_of_val(mask)) };
 }
 
+/// The hot tier's map [1, n_expert, n_used]: slice j sends expert e to its slot, or a cold one
+/// to pad n_hot + j (so that no slot repeats within a token, as grouped GPU kernels need).
+fn hot_map_of(hot_slots: &[i32], n_hot: usize, n_used: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(hot_slots.len() * n_used);
+    for j in 0..n_used {
+        out.extend(hot_slots.iter().map(|&s| if s >= 0 { s } else { (n_hot + j) as i32 }));
+    }
+    out
+}
+
+/// The RAM copy's map for prompt batches: expert -> its row, or the zero pad row n_cold when hot.
+fn copy_map_of(cold_rows: &[i32], n_cold: usize) -> Vec<i32> {
+    cold_rows.iter().map(|&r| if r >= 0 { r } else { n_cold as i32 }).collect()
+}
+
 fn set_map(t: T, map: &[i32]) {
     // SAFETY: t is an i32 tensor of map.len() elements.
     unsafe { sys::ggml_backend_tensor_set(t, map.as_ptr().cast(), 0, std::mem::size_of_val(map)) };
@@ -1019,23 +1050,18 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             _ => None,
         };
 
+        let mut hot_slots = vec![-1i32; n_expert];
+        for (slot, &e) in hot_list.iter().enumerate() {
+            hot_slots[e] = slot as i32;
+        }
         let hot = match (hot_mats, hot_map) {
             (Some(mats), Some(map)) => {
-                // Slice j of the map: expert -> its slot, or pad n_hot + j when cold.
-                let mut slot_in_list = vec![-1i32; n_expert];
-                for (slot, &e) in hot_list.iter().enumerate() {
-                    slot_in_list[e] = slot as i32;
-                }
-                let mut slots = Vec::with_capacity(n_expert * n_used);
-                for j in 0..n_used {
-                    slots.extend(slot_in_list.iter().map(|&s| if s >= 0 { s } else { (n_hot + j) as i32 }));
-                }
                 copy_experts(&src, &mats, &hot_list);
                 if let Some(m) = zero_copy.as_ref().and_then(|z| z.hot_skip_map) {
-                    set_map(m, &slot_in_list);
+                    set_map(m, &hot_slots);
                 }
                 (0..n_used).for_each(|j| mats.iter().for_each(|d| zero_expert(d, n_hot + j)));
-                set_map(map, &slots);
+                set_map(map, &hot_map_of(&hot_slots, n_hot, n_used));
                 Some(Hot { mats, map })
             }
             _ => None,
@@ -1045,19 +1071,17 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Staging { mats, slots: n_used }
         });
         let mut cold_rows = vec![-1i32; n_expert];
+        let ram_copy = copy_mats.is_some() && cold_map.is_some();
         let (cold_tensors, cold_tier) = match (copy_mats, cold_map) {
             (Some(mats), Some(map)) => {
-                let mut rows = vec![n_cold as i32; n_expert];
                 for (row, &e) in cold_list.iter().enumerate() {
                     cold_rows[e] = row as i32;
-                    rows[e] = row as i32;
                 }
                 copy_experts(&src, &mats, &cold_list);
                 mats.iter().for_each(|d| zero_expert(d, n_cold));
-                set_map(map, &rows);
+                set_map(map, &copy_map_of(&cold_rows, n_cold));
                 if let Some(z) = zero_copy.as_ref() {
-                    let skip: Vec<i32> = rows.iter().map(|&r| if r == n_cold as i32 { -1 } else { r }).collect();
-                    set_map(z.skip_map, &skip);
+                    set_map(z.skip_map, &cold_rows);
                 }
                 (mats, Tier::Ram)
             }
@@ -1100,10 +1124,6 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let tally = Arc::new(Tally::new(n_expert));
         let ring_entry = match (windowed, window.as_ref()) {
             (Some(r), Some(w)) => {
-                let mut hot_slots = vec![-1i32; n_expert];
-                for (slot, &e) in hot_list.iter().enumerate() {
-                    hot_slots[e] = slot as i32;
-                }
                 // SAFETY: live tensors: the cold source (RAM copy or mapping) and the windows.
                 let (srcs, dsts) = unsafe {
                     let srcs: Vec<(usize, usize)> = cold_tensors.iter().map(|t| ((*t).data as usize, (*t).nb[2])).collect();
@@ -1111,7 +1131,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                     (srcs, dsts)
                 };
                 max_expert_bytes = max_expert_bytes.max(info.expert_bytes);
-                let idx = r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots, tally.clone(), n_used));
+                let idx = r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots.clone(), tally.clone(), n_used));
                 Some((r.clone(), idx))
             }
             _ => None,
@@ -1127,7 +1147,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 hot,
                 cold_tensors,
                 cold,
-                cold_rows,
+                cold_rows: cold_rows.into_iter().map(AtomicI32::new).collect(),
+                hot_slots: std::sync::Mutex::new(hot_slots),
+                n_hot,
+                ram_copy,
                 cold_map,
                 cold_mask,
                 cold_tier,
@@ -1147,6 +1170,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 _owned: owned,
             }),
         ));
+    }
+    if let Some(a) = plan.adapt.as_ref().filter(|a| a.every > 0 && !plan.count_only) {
+        let layers: Vec<Arc<LayerTiers>> = entries.iter().map(|(_, lt)| lt.clone()).collect();
+        (placement.adapt_layers, placement.adapt_off) = adapt::start(model.as_ptr() as usize, a, &layers, dev, gpu)?;
     }
     if let Some(r) = ring.as_ref().filter(|_| !entries.iter().any(|(_, lt)| lt.ring.is_some())) {
         placement.ring = Some(format!("prefill ring: off (no tiered layer's cold experts fit a half of the {} slots)", 2 * r.half));

@@ -447,6 +447,29 @@ impl Ring {
         }
     }
 
+    /// Waits for the prefetch copies in flight, whose sources may be about to change.
+    pub(crate) fn settle(&self) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for h in 0..2 {
+            if let Some(p) = st.pending[h].take() {
+                if !p.wait().0 {
+                    st.slots.invalidate(h);
+                }
+            }
+        }
+    }
+
+    /// Records where ring layer `i`'s experts now are (after adaptation exchanged some). Slots
+    /// stay valid: they hold an expert's weights, whichever row it came from.
+    pub(crate) fn reassign(&self, i: usize, cold_rows: Vec<i32>, hot_slots: Vec<i32>) {
+        let mut layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = layers.get_mut(i) {
+            let l = RingLayer::new(old.first_slot, old.src.clone(), old.dst.clone(), cold_rows, hot_slots, old.tally.clone(), old.n_used);
+            l.active.store(old.active.load(Ordering::Relaxed), Ordering::Relaxed);
+            *old = Arc::new(l);
+        }
+    }
+
     /// Adds the next tiered layer (in graph order); returns its ring index.
     pub(crate) fn register(&self, layer: RingLayer) -> usize {
         let mut l = self.layers.lock().unwrap_or_else(|e| e.into_inner());

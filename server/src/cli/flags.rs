@@ -204,9 +204,9 @@ pub const FLAGS: &[Flag] = &[
     Flag {
         name: "--adapt-every",
         kind: Kind::Value("N"),
-        help: "re-rank the VRAM expert cache every N steps (0 = fixed profile)",
+        help: "every N batches exchange experts between the VRAM cache and the RAM copy by recent use (0 = fixed placement)",
         maps_to: None,
-        effect: Effect::NotYet,
+        effect: Effect::Experts,
         set: |a, v| {
             a.adapt_every = Some(number(v)?);
             Ok(())
@@ -570,7 +570,7 @@ mod tests {
             assert!(h.contains(e.name));
         }
         let marked: Vec<&str> = h.lines().filter(|l| l.ends_with(NOT_YET)).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
-        assert_eq!(marked, ["--kv-resident", "--adapt-every", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING"]);
+        assert_eq!(marked, ["--kv-resident", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING"]);
     }
 
     #[test]
@@ -586,7 +586,7 @@ mod tests {
                 "STRATA_HIPBLASLT_TUNING is set but has no effect in this build yet",
             ]
         );
-        assert_eq!(warnings(&strata, true, |_| false), ["--adapt-every is accepted but has no effect in this build yet"]);
+        assert!(warnings(&strata, true, |_| false).is_empty());
     }
 
     #[test]

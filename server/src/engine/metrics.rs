@@ -74,6 +74,13 @@ pub fn strata_line(out: &mut String, name: &str, kind: &str, help: &str, v: u64)
     let _ = write!(out, "# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
 }
 
+/// Several `strata:*` lines: (name, kind, help, value) each.
+pub fn strata_lines(out: &mut String, lines: &[(&str, &str, &str, u64)]) {
+    for &(name, kind, help, v) in lines {
+        strata_line(out, name, kind, help, v);
+    }
+}
+
 fn g(v: f64) -> String {
     if v == 0.0 || !v.is_finite() {
         return if v.is_finite() { "0".into() } else { v.to_string() };
