@@ -13,6 +13,7 @@ mod batch;
 mod chat;
 mod context;
 mod error;
+pub mod gemm;
 pub mod hooks;
 mod lora;
 mod model;

@@ -7,6 +7,7 @@ mod api;
 mod cli;
 mod engine;
 mod experts;
+mod gemm;
 mod log;
 mod ple;
 mod router;
@@ -57,6 +58,13 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let gemm = match gemm::config(|v| std::env::var(v).ok()) {
+        Ok(g) => g,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(1);
+        }
+    };
     if let Err(e) = strata_ffi::common_init() {
         eprintln!("strata-server: error: {e}");
         return ExitCode::from(1);
@@ -82,7 +90,7 @@ fn main() -> ExitCode {
         eprintln!("strata-server: error: {e}");
         return ExitCode::from(1);
     }
-    match serve(params, strata_args, experts, ple, &llama_args, child) {
+    match serve(params, strata_args, experts, ple, gemm, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("strata-server: error: {e:#}");
@@ -96,6 +104,7 @@ fn serve(
     strata: flags::StrataArgs,
     experts: Option<experts::ExpertConfig>,
     ple: Option<strata_ffi::ple::PleConfig>,
+    gemm: Option<gemm::GemmConfig>,
     llama_args: &[String],
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
@@ -139,6 +148,7 @@ fn serve(
             ctx_shift: conf.ctx_shift,
             experts,
             ple,
+            gemm,
             max_queued,
             use_mmap: conf.load_mode.maps_the_file(),
             main_gpu: usize::try_from(conf.main_gpu).unwrap_or(0),

@@ -114,25 +114,27 @@ fn which(tool: &str) -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
-/// A small tree holding only the files the series touches, copied from the pristine pin.
+/// A small tree holding only the files the series touches (read from the patches), copied from
+/// the pristine pin.
 fn mini_tree(name: &str) -> PathBuf {
     let out = Command::new("bash").arg(repo().join("vendor/fetch")).arg("--pristine").output().unwrap();
     let pristine = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
     let tree = tmp(name);
-    for f in [
-        "ggml/src/ggml-cuda/ggml-cuda.cu",
-        "ggml/src/ggml-cuda/mmq.cu",
-        "ggml/src/ggml-cuda/mmvq.cu",
-        "ggml/src/ggml-cpu/ggml-cpu.c",
-        "include/llama.h",
-        "src/CMakeLists.txt",
-        "src/llama-context.cpp",
-        "src/llama-graph.cpp",
-        "src/llama.cpp",
-        "src/llama-model.cpp",
-        "src/models/gemma4.cpp",
-        "src/models/qwen4exp.cpp",
-    ] {
+    // include/llama.h marks a llama.cpp tree for tools/repin.
+    let mut files: Vec<String> = vec!["include/llama.h".into()];
+    for entry in std::fs::read_dir(repo().join("patches")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "patch") {
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                if let Some(f) = line.strip_prefix("+++ b/") {
+                    files.push(f.to_string());
+                }
+            }
+        }
+    }
+    files.sort();
+    files.dedup();
+    for f in files.iter().filter(|f| pristine.join(f).exists()) {
         std::fs::create_dir_all(tree.join(f).parent().unwrap()).unwrap();
         std::fs::copy(pristine.join(f), tree.join(f)).unwrap();
     }

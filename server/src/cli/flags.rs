@@ -293,8 +293,9 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
     EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
-    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = use MMQ kernels for prompt processing on HIP", effect: Effect::NotYet },
-    EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated hipBLASLt/cuBLASLt GEMM table (guarded by arch and library version)", effect: Effect::NotYet },
+    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = quantized prompt matmuls without a tuned row take MMQ kernels (GPU backends with patches/0007)", effect: Effect::Active },
+    EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated GEMM table from tools/tune-gemm (cuBLASLt on NVIDIA; refused whole when made for another GPU or library version)", effect: Effect::Active },
+    EnvVar { name: "STRATA_GEMM_DEVICE", help: "\"ARCH RUNTIME BLASLT\" to check the GEMM table against instead of the GPU's own description (tests, diagnostics)", effect: Effect::Active },
     EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows with --ple-mode ssd (default 8)", effect: Effect::Active },
 ];
 
@@ -570,7 +571,7 @@ mod tests {
             assert!(h.contains(e.name));
         }
         let marked: Vec<&str> = h.lines().filter(|l| l.ends_with(NOT_YET)).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
-        assert_eq!(marked, ["--kv-resident", "STRATA_PREFILL_MMQ", "STRATA_HIPBLASLT_TUNING"]);
+        assert_eq!(marked, ["--kv-resident"]);
     }
 
     #[test]
@@ -578,14 +579,7 @@ mod tests {
         let (strata, _) = split(&argv("--adapt-every 0 --pool-workers 4 --prefill 512")).unwrap();
         let set = |v: &str| v == "STRATA_HIPBLASLT_TUNING" || v == "STRATA_PREFILL_RING";
         let w = warnings(&strata, false, set);
-        assert_eq!(
-            w,
-            [
-                "--adapt-every is accepted but has no effect in this build yet",
-                "--pool-workers is accepted but has no effect in this build yet",
-                "STRATA_HIPBLASLT_TUNING is set but has no effect in this build yet",
-            ]
-        );
+        assert_eq!(w, ["--adapt-every is accepted but has no effect in this build yet", "--pool-workers is accepted but has no effect in this build yet",]);
         assert!(warnings(&strata, true, |_| false).is_empty());
     }
 
@@ -613,7 +607,7 @@ mod tests {
                 stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
             } else if p.extension().is_some_and(|e| e == "rs") && !p.ends_with("flags.rs") {
                 let text = std::fs::read_to_string(&p).unwrap();
-                for (i, _) in text.match_indices("var(\"STRATA_").chain(text.match_indices("var_os(\"STRATA_")) {
+                for (i, _) in text.match_indices("var(\"STRATA_").chain(text.match_indices("var_os(\"STRATA_")).chain(text.match_indices("env(\"STRATA_")) {
                     let start = i + text[i..].find('"').unwrap() + 1;
                     let end = start + text[start..].find('"').unwrap();
                     read.insert(text[start..end].to_string());

@@ -291,6 +291,8 @@ pub struct EngineConfig {
     pub experts: Option<crate::experts::ExpertConfig>,
     /// --ple-mode ssd: how the PLE table's rows are read from the file.
     pub ple: Option<strata_ffi::ple::PleConfig>,
+    /// STRATA_HIPBLASLT_TUNING / STRATA_PREFILL_MMQ: the GEMM dispatch, when either is set.
+    pub gemm: Option<crate::gemm::GemmConfig>,
     /// --max-queued: most tasks waiting for a slot before requests get 503.
     pub max_queued: usize,
     /// The model file is mapped (llama.cpp's load mode), which the expert tiers rely on.

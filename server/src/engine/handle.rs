@@ -163,9 +163,10 @@ impl EngineHandle {
         self.residency.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(Residency::metrics_text).unwrap_or_default()
     }
 
-    /// The `strata:ple_*` lines for /metrics (empty unless a PLE table is read from the file).
+    /// The `strata:ple_*` and `strata:gemm_*` lines for /metrics (empty unless a PLE table is read
+    /// from the file or the GEMM dispatch is installed).
     pub fn ple_metrics(&self) -> String {
-        crate::ple::metrics_text(strata_ffi::ple::stats())
+        crate::ple::metrics_text(strata_ffi::ple::stats()) + &crate::gemm::metrics_text()
     }
 
     /// A handle over a caller-made channel, for HTTP tests with a scripted engine.

@@ -17,6 +17,11 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
         let _ = state.send(State::Failed(e.to_string()));
         return;
     }
+    if let Some(g) = cfg.gemm.as_ref() {
+        for (level, line) in crate::gemm::start(g, cfg.main_gpu) {
+            crate::log::srv(level, "load_model", &line);
+        }
+    }
     let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
         Ok(p) => p,
         Err(e) => {
