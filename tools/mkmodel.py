@@ -265,6 +265,11 @@ PRESETS: dict[str, dict] = {
 POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 SHAPES: dict[str, dict[str, dict]] = {
+    # a dense 8B-class llama (Llama-3-8B's dimensions, the preset's 32k vocabulary) for measuring
+    # dense GEMM dispatch on a GPU
+    "llama": {
+        "8b": dict(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336, n_ctx=8192),
+    },
     "qwen3moe": {
         "80b-a3b": dict(
             n_layer=48, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,

@@ -46,8 +46,8 @@ TYPE_SIZES = {
 SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
-def read_gguf(path: Path) -> tuple[dict, list[tuple[str, int]]]:
-    """Scalar and string KVs, and (name, bytes) of every tensor, from a GGUF header."""
+def gguf_tensors(path: Path) -> tuple[dict, list[tuple[str, list[int], int]]]:
+    """Scalar and string KVs, and (name, dims, ggml type id) of every tensor, from a GGUF header."""
     with open(path, "rb") as f:
         def take(fmt: str):
             return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
@@ -65,7 +65,7 @@ def read_gguf(path: Path) -> tuple[dict, list[tuple[str, int]]]:
 
         magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
         if magic != 0x46554747:
-            raise SystemExit(f"ab: {path} is not a GGUF file")
+            raise SystemExit(f"{path} is not a GGUF file")
         kv = {}
         for _ in range(n_kv):
             key = string()
@@ -78,11 +78,20 @@ def read_gguf(path: Path) -> tuple[dict, list[tuple[str, int]]]:
             dims = [take("<Q") for _ in range(take("<I"))]
             ttype = take("<I")
             take("<Q")  # offset
-            block, size = TYPE_SIZES[ttype]
-            n = 1
-            for d in dims:
-                n *= d
-            tensors.append((name, n // block * size))
+            tensors.append((name, dims, ttype))
+    return kv, tensors
+
+
+def read_gguf(path: Path) -> tuple[dict, list[tuple[str, int]]]:
+    """Scalar and string KVs, and (name, bytes) of every tensor, from a GGUF header."""
+    kv, infos = gguf_tensors(path)
+    tensors = []
+    for name, dims, ttype in infos:
+        block, size = TYPE_SIZES[ttype]
+        n = 1
+        for d in dims:
+            n *= d
+        tensors.append((name, n // block * size))
     return kv, tensors
 
 

@@ -1,0 +1,54 @@
+"""Tests for tools/tune-gemm: the dense shapes it lists from a GGUF, and the measuring program
+(tools/gemm/tune.cpp) built against this checkout's llama.cpp and run on the CPU backend (its
+smoke mode: the GPU candidates need the GPU machine)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
+LIBS = REPO / "target/llama.cpp/cpu/build/bin"
+INCLUDE = REPO / "vendor/llama.cpp/ggml/include"
+
+
+def tool():
+    loader = importlib.machinery.SourceFileLoader("tune_gemm", str(REPO / "tools/tune-gemm"))
+    spec = importlib.util.spec_from_loader("tune_gemm", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(not MODEL.exists(), reason="needs tools/setup (tiny models)")
+def test_shapes_are_the_dense_weights_at_each_batch_size() -> None:
+    rows = tool().shapes(MODEL, [64, 512])
+    # qwen3moe: q, k, v, output projections and the router per layer, the output head; experts
+    # (3-D) and the token embedding are not dense matmuls
+    assert ("q4_K", 151936, 512, 256) in rows, rows
+    assert all(n in (64, 512) for _, _, n, _ in rows)
+    assert len(rows) == len(set(rows))
+    assert not any(t == "iq3_xxs" for t, *_ in rows), "expert tensors are 3-D"
+
+
+@pytest.mark.skipif(not (MODEL.exists() and LIBS.exists() and shutil.which("g++")), reason="needs tools/setup and g++")
+def test_the_tuner_builds_and_measures_the_default_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "table.txt"
+    res = subprocess.run([sys.executable, str(REPO / "tools/tune-gemm"), "--model", str(MODEL), "--out", str(out),
+                          "--include", str(INCLUDE), "--libs", str(LIBS), "--batches", "32", "--",
+                          "--cpu-smoke", "1", "--reps", "2"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    log = out.with_suffix(".log").read_text()
+    assert "q8_0 256 32 128 default:" in log and "the default stays" in log, log
+    assert out.read_text().startswith("strata-gemm-table 1\nvalidator arch cpu\n")
+    # Without --cpu-smoke there is no GPU to tune here: a clear error, not a table.
+    bad = subprocess.run([str(out.with_suffix(".bin")), str(out.with_suffix(".shapes")), str(tmp_path / "t2.txt")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "no GPU backend was loaded" in bad.stderr
