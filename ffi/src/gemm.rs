@@ -116,9 +116,13 @@ fn decide(table: Option<&Table>, prefill_mmq: bool, d: &GemmDesc) -> (GemmChoice
 extern "C" fn choose(d: *const GemmDesc, out: *mut GemmChoice) {
     // SAFETY: the backend passes valid pointers for the call.
     let (d, out) = unsafe { (&*d, &mut *out) };
-    let guard = DISPATCH.read().unwrap_or_else(|e| e.into_inner());
-    let Some(disp) = guard.as_ref() else { return };
-    let (choice, fallback) = decide(disp.table.as_ref(), disp.prefill_mmq, d);
+    *out = GemmChoice::default();
+    // A panic must not unwind into C++: the backend's default then runs.
+    let decided = std::panic::catch_unwind(|| {
+        let guard = DISPATCH.read().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref().map(|disp| decide(disp.table.as_ref(), disp.prefill_mmq, d))
+    });
+    let Ok(Some((choice, fallback))) = decided else { return };
     *out = choice;
     if choice.kind == KIND_DEFAULT {
         PATH_COUNTS[0].fetch_add(1, Ordering::Relaxed);
