@@ -13,6 +13,9 @@
 //     worker computing the cold experts would cost per layer, without the CPU's own work.
 // (c) today's split: per layer the stream is synchronised, 8 KiB (the hidden state) go to the
 //     host and back, and the next kernel is launched.
+// (d) the zero-copy layer's extra small kernels (routing copy, id remaps, the add, the log copy):
+//     the per-token graph of (a) with E tiny kernels more per layer, so the cost of one small
+//     kernel inside a CUDA graph decides whether merging the two tiers' mul_mat_id is worth it.
 // Prints one JSON object per measurement.
 #include "bench.cuh"
 
@@ -55,6 +58,13 @@ static void layer_reads(const unsigned char * base, const int * ids, int k, floa
     read_rows<<<dim3(GATE_ROWS / 2, k), block, 0, s>>>(base, EXPERT, 0, GATE_ROW, GATE_ROWS, ids, out);
     read_rows<<<dim3(GATE_ROWS / 2, k), block, 0, s>>>(base, EXPERT, GATE_ROWS * GATE_ROW, GATE_ROW, GATE_ROWS, ids, out);
     read_rows<<<dim3(DOWN_ROWS / 2, k), block, 0, s>>>(base, EXPERT, 2 * GATE_ROWS * GATE_ROW, DOWN_ROW, DOWN_ROWS, ids, out);
+}
+
+// Stands in for a small elementwise op of a decode step (2,048 floats, one block).
+__global__ void small_op(float * x) {
+    for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
+        x[i] = x[i] * 0.5f + 1.0f;
+    }
 }
 
 __global__ void signal(volatile int * flag, int v) {
@@ -139,6 +149,29 @@ int main() {
         CK(cudaGraphInstantiate(&ge, g, 0));
         double us = time_us(s, 50, [&] { CK(cudaGraphLaunch(ge, s)); });
         std::printf("{\"mechanism\":\"zero-copy\",\"graph_layers\":%d,\"cold_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, k, us);
+        CK(cudaGraphExecDestroy(ge));
+        CK(cudaGraphDestroy(g));
+    }
+
+    // (d) the per-token graph with 1 cold expert a layer and E small kernels more per layer
+    float * scratch;
+    CK(cudaMalloc(&scratch, 2048 * sizeof(float)));
+    CK(cudaMemset(scratch, 0, 2048 * sizeof(float)));
+    for (int extra : {0, 4, 7, 10}) {
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        for (int l = 0; l < LAYERS; ++l) {
+            layer_reads(dev, ids + (l * 8) % 56, 7, out, s);
+            layer_reads(host_dev, ids + l % 63, 1, out, s);
+            for (int e = 0; e < extra; ++e) {
+                small_op<<<1, 256, 0, s>>>(scratch);
+            }
+        }
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        double us = time_us(s, 50, [&] { CK(cudaGraphLaunch(ge, s)); });
+        std::printf("{\"mechanism\":\"small-kernels\",\"graph_layers\":%d,\"extra_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, extra, us);
         CK(cudaGraphExecDestroy(ge));
         CK(cudaGraphDestroy(g));
     }
