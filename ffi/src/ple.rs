@@ -15,7 +15,9 @@
 //! A prompt's rows are known before its batches run (for tables indexed by token): the engine
 //! hands them to `prefetch`, whose thread reads them chunk by chunk into the cache while earlier
 //! batches compute; a batch needing a row still in flight waits for it rather than reading it
-//! twice.
+//! twice. In decode, when a token goes into a batch, the rows of the tokens seen to follow it
+//! before (residency::ple::Successors, learned from prompts and generations) are read while that
+//! batch computes, so the next token's rows are often in the cache when its batch needs them.
 //!
 //! Missing rows are sorted and rows within COALESCE_GAP of each other read as one range, since
 //! a direct read fetches whole 4 KiB blocks anyway.
@@ -28,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use strata_residency::direct_io::{ReadPool, Stats as IoStats, LATENCY_BUCKETS_US};
 use strata_residency::gguf;
-use strata_residency::ple::{NgramHash, PleTable, RowCache};
+use strata_residency::ple::{NgramHash, PleTable, RowCache, Successors};
 
 use crate::hooks::PleRows;
 use crate::sys;
@@ -62,6 +64,8 @@ struct Counters {
     fallbacks: AtomicU64,
     prefetched: AtomicU64,
     prefetch_used: AtomicU64,
+    successor_prefetched: AtomicU64,
+    successor_used: AtomicU64,
 }
 
 struct Provider {
@@ -74,15 +78,26 @@ struct Provider {
     /// qwen4exp: rows are hashed n-grams of the tokens (None: another table, or unreadable
     /// parameters, then no prefetch).
     hash: Option<NgramHash>,
-    /// Rows the prefetcher read that no batch has used yet.
-    prefetched_rows: Mutex<HashSet<u32>>,
+    /// Rows the prefetcher read that no batch has used yet, and whether for decode's successors
+    /// (else for a prompt).
+    prefetched_rows: Mutex<HashMap<u32, bool>>,
     /// Rows a prefetch is reading now; a batch that needs one waits for it instead of reading it
     /// again.
     inflight: Mutex<HashSet<u32>>,
     landed: Condvar,
-    /// Chunks of rows for the prefetch thread, in the order the batches will need them.
-    prefetch: Mutex<Option<mpsc::Sender<Vec<u32>>>>,
+    /// Chunks of rows for the prefetch thread, in the order the batches will need them (and
+    /// whether they are decode's successors).
+    prefetch: Mutex<Option<mpsc::Sender<Chunk>>>,
+    /// Tokens seen to follow each token, for decode's prefetch.
+    successors: Mutex<Successors>,
 }
+
+/// Rows for the prefetch thread, and whether they are decode's successors (else a prompt's).
+type Chunk = (Vec<u32>, bool);
+
+/// Successors remembered per token, and tokens remembered at most (a few MB).
+const SUCCESSORS_PER_TOKEN: usize = 4;
+const SUCCESSOR_TOKENS: usize = 1 << 16;
 
 /// How long a batch waits for rows a prefetch is reading before it reads them itself.
 const INFLIGHT_WAIT: Duration = Duration::from_secs(10);
@@ -116,13 +131,14 @@ pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
         counters: Counters::default(),
         rows_are_tokens: matches!(arch, "gemma4" | "gemma3n"),
         hash,
-        prefetched_rows: Mutex::new(HashSet::new()),
+        prefetched_rows: Mutex::new(HashMap::new()),
         inflight: Mutex::new(HashSet::new()),
         landed: Condvar::new(),
         prefetch: Mutex::new(None),
+        successors: Mutex::new(Successors::new(SUCCESSORS_PER_TOKEN, SUCCESSOR_TOKENS)),
     });
     if (provider.rows_are_tokens || provider.hash.is_some()) && cfg.cache_bytes > 0 {
-        let (tx, rx) = mpsc::channel::<Vec<u32>>();
+        let (tx, rx) = mpsc::channel::<Chunk>();
         let weak = Arc::downgrade(&provider);
         std::thread::Builder::new()
             .name("strata-ple-prefetch".into())
@@ -254,8 +270,13 @@ fn read_rows(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
     {
         let mut pre = p.prefetched_rows.lock().unwrap_or_else(|e| e.into_inner());
         if !pre.is_empty() {
-            let used = have.keys().filter(|r| pre.remove(r)).count();
-            p.counters.prefetch_used.fetch_add(used as u64, Ordering::Relaxed);
+            for r in have.keys() {
+                match pre.remove(r) {
+                    Some(false) => p.counters.prefetch_used.fetch_add(1, Ordering::Relaxed),
+                    Some(true) => p.counters.successor_used.fetch_add(1, Ordering::Relaxed),
+                    None => 0,
+                };
+            }
         }
     }
     if !missing.is_empty() {
@@ -305,8 +326,8 @@ fn wait_inflight(p: &Provider, rows: &[u32]) {
 
 /// Reads chunks of rows into the cache ahead of the batches that need them, until the provider
 /// is gone.
-fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
-    while let Ok(rows) = rx.recv() {
+fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Chunk>) {
+    while let Ok((rows, successors)) = rx.recv() {
         let Some(p) = provider.upgrade() else { return };
         let mut todo: Vec<u32> = {
             let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -321,8 +342,9 @@ fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Vec<u32>>) {
         }
         todo.sort_unstable();
         if read_from_file(&p, &todo).is_ok() {
-            p.counters.prefetched.fetch_add(todo.len() as u64, Ordering::Relaxed);
-            p.prefetched_rows.lock().unwrap_or_else(|e| e.into_inner()).extend(&todo);
+            let counter = if successors { &p.counters.successor_prefetched } else { &p.counters.prefetched };
+            counter.fetch_add(todo.len() as u64, Ordering::Relaxed);
+            p.prefetched_rows.lock().unwrap_or_else(|e| e.into_inner()).extend(todo.iter().map(|&r| (r, successors)));
         }
         let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
         for r in &todo {
@@ -342,6 +364,7 @@ pub fn prefetch(model: *const sys::llama_model, prompt: &[i32], from: usize, chu
     let Some(p) = bound(model) else { return };
     let Some(tx) = p.prefetch.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
     let from = from.min(prompt.len());
+    p.successors.lock().unwrap_or_else(|e| e.into_inner()).observe_all(prompt);
     let (rows, per_token): (Vec<u32>, usize) = if p.rows_are_tokens {
         (prompt[from..].iter().filter_map(|&t| u32::try_from(t).ok()).collect(), 1)
     } else if let Some(h) = p.hash.as_ref() {
@@ -354,10 +377,44 @@ pub fn prefetch(model: *const sys::llama_model, prompt: &[i32], from: usize, chu
     let budget = (p.cache.lock().map(|c| c.budget()).unwrap_or(0) / 2 / p.table.row_bytes.max(1)) as usize;
     let rows: Vec<u32> = rows.into_iter().filter(|&r| u64::from(r) < p.table.n_rows).take(budget).collect();
     for c in rows.chunks(chunk.max(1) * per_token) {
-        if tx.send(c.to_vec()).is_err() {
+        if tx.send((c.to_vec(), false)).is_err() {
             return;
         }
     }
+}
+
+/// Decode: `tokens` is the sequence with the token just put into a batch last. Records it as a
+/// successor of the one before, and starts reading the rows of its own known successors, one of
+/// which is likely the next token, while its batch computes. A no-op where `prefetch` is.
+pub fn after_token(model: *const sys::llama_model, tokens: &[i32]) {
+    let Some(p) = bound(model) else { return };
+    let Some(tx) = p.prefetch.lock().unwrap_or_else(|e| e.into_inner()).clone() else { return };
+    let Some(&last) = tokens.last() else { return };
+    let next: Vec<i32> = {
+        let mut succ = p.successors.lock().unwrap_or_else(|e| e.into_inner());
+        if let [.., prev, _] = tokens {
+            succ.observe(*prev, last);
+        }
+        succ.of(last).to_vec()
+    };
+    if next.is_empty() {
+        return;
+    }
+    let mut rows = Vec::new();
+    if p.rows_are_tokens {
+        rows.extend(next.iter().filter_map(|&t| u32::try_from(t).ok()));
+    } else if let Some(h) = p.hash.as_ref() {
+        // The n-grams ending at a candidate reach back n_gram - 1 tokens.
+        let tail = &tokens[tokens.len().saturating_sub(h.n_gram.saturating_sub(1))..];
+        let mut seq = tail.to_vec();
+        for &c in &next {
+            seq.truncate(tail.len());
+            seq.push(c);
+            h.rows(&seq, tail.len(), &mut rows);
+        }
+    }
+    rows.retain(|&r| u64::from(r) < p.table.n_rows);
+    let _ = tx.send((rows, true));
 }
 
 /// Rows closer than this in the file are read as one range: a direct read costs at least a
@@ -396,6 +453,9 @@ pub struct PleStats {
     pub prefetched: u64,
     /// Prefetched rows that a batch then used.
     pub prefetch_used: u64,
+    /// Decode's successor rows read ahead, and those a batch then used.
+    pub successor_prefetched: u64,
+    pub successor_used: u64,
     pub cache_bytes: u64,
     pub fallbacks: u64,
     pub reads: u64,
@@ -420,6 +480,8 @@ pub fn stats() -> Option<PleStats> {
         s.cache_hits += p.counters.cache_hits.load(Ordering::Relaxed);
         s.prefetched += p.counters.prefetched.load(Ordering::Relaxed);
         s.prefetch_used += p.counters.prefetch_used.load(Ordering::Relaxed);
+        s.successor_prefetched += p.counters.successor_prefetched.load(Ordering::Relaxed);
+        s.successor_used += p.counters.successor_used.load(Ordering::Relaxed);
         s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
         s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
         s.reads += io.reads.load(Ordering::Relaxed);

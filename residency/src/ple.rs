@@ -202,6 +202,46 @@ impl RowCache {
     }
 }
 
+/// Tokens seen to follow each token, most recent first: in decode, the next token's PLE rows are
+/// likely among its predecessor's successors, so they can be read while the step that samples it
+/// computes. Bounded: at most `per_token` successors each, and no new token once `max_tokens`
+/// have some (those known keep learning).
+#[derive(Debug, Clone)]
+pub struct Successors {
+    map: HashMap<i32, Vec<i32>>,
+    per_token: usize,
+    max_tokens: usize,
+}
+
+impl Successors {
+    pub fn new(per_token: usize, max_tokens: usize) -> Self {
+        Self { map: HashMap::new(), per_token, max_tokens }
+    }
+
+    /// `next` followed `prev`: it becomes `prev`'s first successor.
+    pub fn observe(&mut self, prev: i32, next: i32) {
+        if self.per_token == 0 || (!self.map.contains_key(&prev) && self.map.len() >= self.max_tokens) {
+            return;
+        }
+        let list = self.map.entry(prev).or_default();
+        list.retain(|&t| t != next);
+        list.insert(0, next);
+        list.truncate(self.per_token);
+    }
+
+    /// Every consecutive pair of `tokens`.
+    pub fn observe_all(&mut self, tokens: &[i32]) {
+        for w in tokens.windows(2) {
+            self.observe(w[0], w[1]);
+        }
+    }
+
+    /// The successors of `t`, most recent first.
+    pub fn of(&self, t: i32) -> &[i32] {
+        self.map.get(&t).map_or(&[], Vec::as_slice)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -294,5 +334,18 @@ mod tests {
         assert!(NgramHash::new(1, 1, vec![3], vec![], vec![], 2).is_err());
         assert!(NgramHash::new(3, 1, vec![3, 5], vec![0, 100], vec![97, 89], 2).is_err());
         assert!(NgramHash::new(3, 1, vec![3, 5, 7], vec![0, i32::MAX as u64], vec![97, 89], 2).is_err());
+    }
+
+    #[test]
+    fn successors_are_the_most_recent_first_and_bounded() {
+        let mut s = Successors::new(2, 2);
+        s.observe_all(&[1, 2, 1, 3, 1, 2]);
+        assert_eq!(s.of(1), [2, 3], "2 came last, 3 before it");
+        s.observe(1, 4);
+        assert_eq!(s.of(1), [4, 2], "at most two each");
+        assert_eq!(s.of(2), [1]);
+        assert!(s.of(3).is_empty(), "1 and 2 filled the map before 3 was followed by anything");
+        s.observe(9, 1);
+        assert!(s.of(9).is_empty(), "two tokens known: no new one");
     }
 }

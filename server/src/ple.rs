@@ -38,6 +38,8 @@ pub fn metrics_text(s: Option<PleStats>) -> String {
             ("ple_rows_cached_total", "counter", "Distinct PLE rows of a batch found in the RAM row cache", s.cache_hits),
             ("ple_rows_prefetched_total", "counter", "PLE rows of a prompt read ahead of its batches", s.prefetched),
             ("ple_rows_prefetch_used_total", "counter", "Prefetched PLE rows that a batch then used", s.prefetch_used),
+            ("ple_rows_successor_prefetched_total", "counter", "PLE rows of likely next tokens read ahead in decode", s.successor_prefetched),
+            ("ple_rows_successor_used_total", "counter", "Successor rows read ahead that a batch then used", s.successor_used),
             ("ple_cache_bytes", "gauge", "Bytes of PLE rows held in the RAM row cache", s.cache_bytes),
             ("ple_reads_total", "counter", "PLE row reads from the model file", s.reads),
             ("ple_read_bytes_total", "counter", read_bytes_help, s.bytes_read),

@@ -162,6 +162,7 @@ impl<'m> Engine<'m> {
                 a.i_batch = Some(i0);
                 self.batch.add(t, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
                 slot.cache.push(t);
+                strata_ffi::ple::after_token(self.ctx.model().as_ptr(), &slot.cache);
                 for &d in &draft {
                     self.batch.add(d, slot.cache.len() as i32, &[slot.id as i32], true).expect("batch has room");
                     slot.cache.push(d);
