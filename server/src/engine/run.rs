@@ -12,10 +12,17 @@ use super::core::{EngineConfig, Shared};
 use super::speculative::new_speculative;
 use super::task::{Job, LoraInfo, State, TaskParams};
 
-pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
+pub(super) fn run(cfg: EngineConfig, rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
+    // Failed is sent only after everything the failed start made (contexts, GPU buffers) is freed:
+    // the process may exit as soon as it hears, and freeing GPU memory during exit aborts.
+    if let Err(e) = start_and_serve(cfg, rx, &state, shared) {
+        let _ = state.send(State::Failed(e));
+    }
+}
+
+fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &watch::Sender<State>, shared: &Shared) -> Result<(), String> {
     if let Err(e) = strata_ffi::init_backend(Some(&cfg.params)) {
-        let _ = state.send(State::Failed(e.to_string()));
-        return;
+        return Err(e.to_string());
     }
     if let Some(g) = cfg.gemm.as_ref() {
         for (level, line) in crate::gemm::start(g, cfg.main_gpu) {
@@ -25,8 +32,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
     let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
         Ok(p) => p,
         Err(e) => {
-            let _ = state.send(State::Failed(e));
-            return;
+            return Err(e);
         }
     };
     if let Some(ple) = cfg.ple {
@@ -45,16 +51,14 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
                 ),
             ),
             Err(e) => {
-                let _ = state.send(State::Failed(format!("--ple-mode ssd: {e}")));
-                return;
+                return Err(format!("--ple-mode ssd: {e}"));
             }
         }
     }
     let model = match cfg.params.model_params().and_then(|mparams| Model::load(&cfg.model_path, &mparams)) {
         Ok(m) => Arc::new(m),
         Err(e) => {
-            let _ = state.send(State::Failed(e.to_string()));
-            return;
+            return Err(e.to_string());
         }
     };
     let _ = shared.model.set(model.clone());
@@ -67,8 +71,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
             let _ = shared.default_settings.set(super::settings::task_settings(&s, &base, -1, true));
         }
         Err(e) => {
-            let _ = state.send(State::Failed(e.to_string()));
-            return;
+            return Err(e.to_string());
         }
     }
     let mut adapters = Vec::new();
@@ -91,8 +94,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
                 adapters.push(a);
             }
             Err(e) => {
-                let _ = state.send(State::Failed(e.to_string()));
-                return;
+                return Err(e.to_string());
             }
         }
     }
@@ -105,8 +107,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
         let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, with_op_profile(p))) {
             Ok(c) => c,
             Err(e) => {
-                let _ = state.send(State::Failed(e.to_string()));
-                return;
+                return Err(e.to_string());
             }
         };
         let mut ctx = ctx;
@@ -114,8 +115,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
             match crate::experts::place(p, &model, cfg.main_gpu) {
                 Ok(r) => *shared.residency.lock().unwrap_or_else(|e| e.into_inner()) = Some(r),
                 Err(e) => {
-                    let _ = state.send(State::Failed(e));
-                    return;
+                    return Err(e);
                 }
             }
             placed = true;
@@ -123,8 +123,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
         let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {
-                let _ = state.send(State::Failed(e));
-                return;
+                return Err(e);
             }
         };
         let mut spec = spec;
@@ -132,8 +131,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
         let (seq_rm, draft_seq_rm) = match probed {
             Ok(p) => p,
             Err(e) => {
-                let _ = state.send(State::Failed(e.to_string()));
-                return;
+                return Err(e.to_string());
             }
         };
         let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, shared, &adapters);
@@ -145,7 +143,7 @@ pub(super) fn run(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: wat
         }
         match serve_jobs(&mut engine, &mut rx, shared, cfg.sleep_idle) {
             Some(job) => woken_by = Some(job),
-            None => return,
+            None => return Ok(()),
         }
     }
 }
