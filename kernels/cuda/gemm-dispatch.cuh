@@ -119,7 +119,13 @@ static strata_blaslt_plan * strata_blaslt_plan_for(const strata_gemm_desc & d, u
             && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
         if (ok) {
             const size_t ws = (size_t) workspace;
+            // ggml's buffers and pool give 128-byte alignment; the heuristic assumes 256 unless told
+            const uint32_t align = 128;
             ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)) == CUBLAS_STATUS_SUCCESS
+                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
+                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
+                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
+                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
                 && cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->a, p->b, p->c, p->c, pref, STRATA_GEMM_MAX_ALGOS, p->algos, &p->n_algos)
                     == CUBLAS_STATUS_SUCCESS;
         }
