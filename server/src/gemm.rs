@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use strata_ffi::gemm::{self, FALLBACKS, PATHS};
 use strata_ffi::Verbosity;
-use strata_residency::gemm::{Device, Table};
+use strata_residency::gemm::{Device, GemmTableError, Table};
 
 /// The variables, as read at start-up.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -41,7 +41,8 @@ pub fn config(env: impl Fn(&str) -> Option<String>) -> Result<Option<GemmConfig>
 
 /// The table at `path` if it parses and its validators match `device`, else why not.
 fn load(path: &std::path::Path, device: Option<&Device>) -> Result<Table, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    let text = String::from_utf8(bytes).map_err(|_| GemmTableError::Header.to_string())?;
     let table = Table::parse(&text).map_err(|e| e.to_string())?;
     let device = device.ok_or("there is no GPU backend with Strata's GEMM dispatch to check it against")?;
     table.check(device).map_err(|e| e.to_string())?;

@@ -43,6 +43,19 @@ fn a_table_for_another_gpu_is_refused_and_the_server_serves() {
     assert!(log.contains("GEMM dispatch not installed: no GPU backend"), "{log}");
     drop(s);
 
+    // A file that is not a table, and one that is not there: refused, the server serves.
+    let garbage = dir.join("garbage.bin");
+    std::fs::write(&garbage, [0u8, 159, 146, 150, 255, 10, 1]).unwrap();
+    let missing = dir.join("missing.txt");
+    for (path, want) in [(&garbage, "refused: not a Strata GEMM table"), (&missing, "refused: No such file or directory")] {
+        let env = [("STRATA_HIPBLASLT_TUNING", path.to_str().unwrap()), ("STRATA_GEMM_DEVICE", "sm_90 13000 130100")];
+        let s = Server::start(&["-m", m, "-c", "1024"], &env);
+        let (status, _) = s.post("/completion", &json!({"prompt": "The tide", "n_predict": 2}));
+        assert_eq!(status, 200);
+        let log = s.log.lock().unwrap().clone();
+        assert!(log.contains(want), "{log}");
+    }
+
     // No description and no GPU: nothing to check the table against.
     let s = Server::start(&["-m", m, "-c", "1024"], &[("STRATA_HIPBLASLT_TUNING", right.to_str().unwrap())]);
     let log = s.log.lock().unwrap().clone();
