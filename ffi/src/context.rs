@@ -99,15 +99,17 @@ impl<'m> Context<'m> {
         self.count_logged_routing();
         let ctx = self.ptr.as_ptr();
         // SAFETY: valid context.
-        crate::moe::adapt::after_batch(&mut || unsafe { sys::llama_synchronize(ctx) });
+        crate::moe::adapt::after_batch(self.model.as_ptr() as usize, &mut || unsafe { sys::llama_synchronize(ctx) });
         DecodeError::check(rc)
     }
 
+    /// Only this context's model: another context (a draft model's) may decode while this one's
+    /// graph still runs, and synchronising it says nothing about this one.
     fn count_logged_routing(&mut self) {
         if crate::moe::zero_copy_active() {
             // SAFETY: valid context; the log is host memory the device writes during a batch.
             unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
-            crate::moe::after_decode();
+            crate::moe::after_decode(self.model.as_ptr() as usize);
         }
     }
 

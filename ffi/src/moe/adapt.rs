@@ -169,16 +169,17 @@ pub(crate) fn forget_model(model: usize) {
     STATES.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| s.model != model);
 }
 
-/// After each batch a context decoded: counts it, ends an interval every N batches, and makes
-/// up to [`SWAPS_PER_BATCH`] of the planned swaps. `sync` waits for the device to finish the
-/// batch; it is called, once, only when a swap is about to run.
-pub(crate) fn after_batch(sync: &mut dyn FnMut()) {
+/// After each batch a context of `model` decoded: counts it, ends an interval every N batches,
+/// and makes up to [`SWAPS_PER_BATCH`] of the planned swaps. `sync` waits for that context's
+/// device work; it is called, once, only when a swap is about to run. Batches of other models'
+/// contexts (a draft model) are not counted, and their synchronisation would not cover this one.
+pub(crate) fn after_batch(model: usize, sync: &mut dyn FnMut()) {
     if !ON.load(Ordering::Relaxed) {
         return;
     }
     let mut states = STATES.lock().unwrap_or_else(|e| e.into_inner());
     let mut synced = false;
-    for st in states.iter_mut() {
+    for st in states.iter_mut().filter(|st| st.model == model) {
         st.batches += 1;
         if st.batches % st.every == 0 {
             st.interval();

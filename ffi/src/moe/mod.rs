@@ -487,12 +487,12 @@ pub fn hits() -> [u64; 3] {
     out
 }
 
-/// Counts the selections that zero-copy decode steps logged since the last call. Called after a
-/// batch's graph has finished (Context::decode synchronises first).
-pub(crate) fn after_decode() {
+/// Counts the selections that zero-copy decode steps of `model` logged since the last call.
+/// Called after a batch's graph has finished (Context::decode synchronises its context first).
+pub(crate) fn after_decode(model: usize) {
     let Ok(r) = REGISTRY.read() else { return };
     let mut sel = Vec::new();
-    for lt in r.as_ref().into_iter().flat_map(HashMap::values) {
+    for lt in r.as_ref().into_iter().flat_map(HashMap::values).filter(|lt| lt.model == model) {
         if let Some(z) = lt.zero_copy.as_ref() {
             sel.clear();
             z.take_log(&mut sel);
