@@ -97,6 +97,20 @@ template <typename F> static double time_us(cudaStream_t s, int reps, F f) {
     return median(v);
 }
 
+// Median microseconds of one launch of the CUDA graph that `record` captures on stream s.
+template <typename F> static double graph_us(cudaStream_t s, F record) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    record();
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    const double us = time_us(s, 50, [&] { CK(cudaGraphLaunch(ge, s)); });
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return us;
+}
+
 int main() {
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -136,21 +150,15 @@ int main() {
     }
     // (a) per token: 48 layers of k cold experts each, captured as one CUDA graph
     for (int k : {0, 1, 3}) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < LAYERS; ++l) {
-            layer_reads(dev, ids + (l * 8) % 56, 8 - k, out, s);  // the hot experts, from VRAM
-            if (k > 0) {
-                layer_reads(host_dev, ids + (l * k) % (64 - k), k, out, s);
+        double us = graph_us(s, [&] {
+            for (int l = 0; l < LAYERS; ++l) {
+                layer_reads(dev, ids + (l * 8) % 56, 8 - k, out, s);  // the hot experts, from VRAM
+                if (k > 0) {
+                    layer_reads(host_dev, ids + (l * k) % (64 - k), k, out, s);
+                }
             }
-        }
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        double us = time_us(s, 50, [&] { CK(cudaGraphLaunch(ge, s)); });
+        });
         std::printf("{\"mechanism\":\"zero-copy\",\"graph_layers\":%d,\"cold_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, k, us);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
     }
 
     // (d) the per-token graph with 1 cold expert a layer and E small kernels more per layer
@@ -158,22 +166,16 @@ int main() {
     CK(cudaMalloc(&scratch, 2048 * sizeof(float)));
     CK(cudaMemset(scratch, 0, 2048 * sizeof(float)));
     for (int extra : {0, 4, 7, 10}) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < LAYERS; ++l) {
-            layer_reads(dev, ids + (l * 8) % 56, 7, out, s);
-            layer_reads(host_dev, ids + l % 63, 1, out, s);
-            for (int e = 0; e < extra; ++e) {
-                small_op<<<1, 256, 0, s>>>(scratch);
+        double us = graph_us(s, [&] {
+            for (int l = 0; l < LAYERS; ++l) {
+                layer_reads(dev, ids + (l * 8) % 56, 7, out, s);
+                layer_reads(host_dev, ids + l % 63, 1, out, s);
+                for (int e = 0; e < extra; ++e) {
+                    small_op<<<1, 256, 0, s>>>(scratch);
+                }
             }
-        }
-        CK(cudaStreamEndCapture(s, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        double us = time_us(s, 50, [&] { CK(cudaGraphLaunch(ge, s)); });
+        });
         std::printf("{\"mechanism\":\"small-kernels\",\"graph_layers\":%d,\"extra_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, extra, us);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
     }
 
     // (b) a flag hand-off per layer: GPU -> CPU thread -> GPU, within the stream
