@@ -7,7 +7,7 @@
         [--lora-rank R [--lora-alpha A] [--lora-targets T,...] [--lora-type f32|f16] [--lora-gain G]
          [--alora-tokens T,...]]
 
-ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, qwen35moe-mtp,
+ARCH is one of the presets in PRESETS (qwen3moe, llama, gemma4, gemma3n, qwen35moe-mtp,
 qwen4exp, bert, bert-rerank).
 A preset is a plain dict of hyperparameters; SHAPES holds named overrides
 (--shape) for bigger variants of a preset. Command line options override both.
@@ -219,6 +219,16 @@ PRESETS: dict[str, dict] = {
         head_dim_swa=32, head_dim_full=64, rope_partial_full=0.25,
         n_ff=128, n_embd_per_layer=8, swa_period=2, kv_shared_frac=0.5,
         sliding_window=128, final_softcap=30.0,
+        n_ctx=8192, rope_base=1_000_000.0, rope_base_swa=10_000.0, rms_eps=1e-6,
+        tied_output=True, bias_channel=False,
+    ),
+    # gemma3n: llama.cpp fixes altup (4 streams), laurel rank 64 and a per-layer input width of
+    # 256 in code, not in the file, so the per-layer table has 256 values per layer and token; a
+    # 32k vocabulary (llama's) keeps the tiny model's table at 17 MB (gemma's 262k: 140 MB)
+    "gemma3n": dict(
+        arch="gemma3n", vocab="llama-spm", template=None,
+        n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128,
+        n_embd_altup=256, n_altup=4, laurel_rank=64, swa_period=5, sliding_window=128,
         n_ctx=8192, rope_base=1_000_000.0, rope_base_swa=10_000.0, rms_eps=1e-6,
         tied_output=True, bias_channel=False,
     ),
@@ -497,6 +507,39 @@ def gemma4_layout(hp: dict) -> tuple[list[bool], int]:
     return swa, n_layer - n_kv
 
 
+def add_gemma_ple_table(m: Model, hp: dict, n_vocab: int, n_pl: int) -> None:
+    """embeddings, output, and the per-layer table with its projection (gemma3n and gemma4)."""
+    n_embd, n_layer = hp["n_embd"], hp["n_layer"]
+    add_common(m, hp, n_vocab, 1.0 / math.sqrt(n_embd))  # the graph scales embeddings by sqrt(n_embd)
+    m.tensors.append(TensorSpec("per_layer_token_embd.weight", (n_pl * n_layer, n_vocab), "embd",
+                                std=1.0 / math.sqrt(n_pl)))
+    m.weight("per_layer_model_proj.weight", (n_embd, n_pl * n_layer))
+    m.norm("per_layer_proj_norm.weight", n_pl)
+
+
+def add_gemma_attention(m: Model, p: str, n_embd: int, hd: int, nh: int, nkv: int) -> None:
+    m.norm(p + "attn_norm.weight", n_embd)
+    m.weight(p + "attn_q.weight", (n_embd, hd * nh))
+    m.weight(p + "attn_k.weight", (n_embd, hd * nkv))
+    m.weight(p + "attn_v.weight", (n_embd, hd * nkv))
+    m.weight(p + "attn_output.weight", (hd * nh, n_embd))
+    m.norm(p + "attn_q_norm.weight", hd)
+    m.norm(p + "attn_k_norm.weight", hd)
+    m.norm(p + "post_attention_norm.weight", n_embd)
+
+
+def add_gemma_ffn_ple(m: Model, p: str, n_embd: int, n_ff: int, n_pl: int) -> None:
+    """the feed-forward block and the layer's per-layer input gate and projection."""
+    m.norm(p + "ffn_norm.weight", n_embd)
+    m.weight(p + "ffn_gate.weight", (n_embd, n_ff))
+    m.weight(p + "ffn_up.weight", (n_embd, n_ff))
+    m.weight(p + "ffn_down.weight", (n_ff, n_embd))
+    m.norm(p + "post_ffw_norm.weight", n_embd)
+    m.weight(p + "inp_gate.weight", (n_embd, n_pl))
+    m.weight(p + "proj.weight", (n_pl, n_embd))
+    m.norm(p + "post_norm.weight", n_embd)
+
+
 def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
     n_embd, n_layer, nh, n_ff = hp["n_embd"], hp["n_layer"], hp["n_head"], hp["n_ff"]
     hd_swa, hd_full, n_pl = hp["head_dim_swa"], hp["head_dim_full"], hp["n_embd_per_layer"]
@@ -520,11 +563,7 @@ def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
     m.u32("{arch}.embedding_length_per_layer_input", n_pl)
     m.f32("{arch}.final_logit_softcapping", hp["final_softcap"])
 
-    add_common(m, hp, n_vocab, 1.0 / math.sqrt(n_embd))  # the graph scales embeddings by sqrt(n_embd)
-    m.tensors.append(TensorSpec("per_layer_token_embd.weight", (n_pl * n_layer, n_vocab), "embd",
-                                std=1.0 / math.sqrt(n_pl)))
-    m.weight("per_layer_model_proj.weight", (n_embd, n_pl * n_layer))
-    m.norm("per_layer_proj_norm.weight", n_pl)
+    add_gemma_ple_table(m, hp, n_vocab, n_pl)
 
     # proportional rope on full-attention layers: only the first pairs rotate
     n_rot_pairs = int(hd_full * hp["rope_partial_full"] / 2)
@@ -533,24 +572,46 @@ def build_gemma4(m: Model, hp: dict, n_vocab: int) -> None:
 
     for il in range(n_layer):
         p = f"blk.{il}."
-        hd = hd_swa if swa[il] else hd_full
-        m.norm(p + "attn_norm.weight", n_embd)
-        m.weight(p + "attn_q.weight", (n_embd, hd * nh))
-        m.weight(p + "attn_k.weight", (n_embd, hd * n_kv[il]))
-        m.weight(p + "attn_v.weight", (n_embd, hd * n_kv[il]))
-        m.weight(p + "attn_output.weight", (hd * nh, n_embd))
-        m.norm(p + "attn_q_norm.weight", hd)
-        m.norm(p + "attn_k_norm.weight", hd)
-        m.norm(p + "post_attention_norm.weight", n_embd)
+        add_gemma_attention(m, p, n_embd, hd_swa if swa[il] else hd_full, nh, n_kv[il])
         m.vec(p + "layer_output_scale.weight", (1,), ones)
-        m.norm(p + "ffn_norm.weight", n_embd)
-        m.weight(p + "ffn_gate.weight", (n_embd, n_ff))
-        m.weight(p + "ffn_up.weight", (n_embd, n_ff))
-        m.weight(p + "ffn_down.weight", (n_ff, n_embd))
-        m.norm(p + "post_ffw_norm.weight", n_embd)
-        m.weight(p + "inp_gate.weight", (n_embd, n_pl))
-        m.weight(p + "proj.weight", (n_pl, n_embd))
-        m.norm(p + "post_norm.weight", n_embd)
+        add_gemma_ffn_ple(m, p, n_embd, n_ff, n_pl)
+
+
+def build_gemma3n(m: Model, hp: dict, n_vocab: int) -> None:
+    n_embd, n_layer, nh, nkv, hd, n_ff = hp["n_embd"], hp["n_layer"], hp["n_head"], hp["n_head_kv"], hp["head_dim"], hp["n_ff"]
+    n_pl, n_altup, rank = hp["n_embd_altup"], hp["n_altup"], hp["laurel_rank"]
+    swa = [(il + 1) % hp["swa_period"] != 0 for il in range(n_layer)]
+
+    m.u32("{arch}.block_count", n_layer)
+    m.u32("{arch}.feed_forward_length", n_ff)
+    m.u32("{arch}.attention.head_count", nh)
+    m.u32("{arch}.attention.head_count_kv", nkv)
+    m.u32("{arch}.attention.key_length", hd)
+    m.u32("{arch}.attention.value_length", hd)
+    m.u32("{arch}.rope.dimension_count", hd)
+    m.f32("{arch}.rope.freq_base_swa", hp["rope_base_swa"])
+    m.u32("{arch}.attention.sliding_window", hp["sliding_window"])
+    m.arr("{arch}.attention.sliding_window_pattern", VT.BOOL, swa)
+    m.u32("{arch}.embedding_length_per_layer_input", n_pl)
+
+    add_gemma_ple_table(m, hp, n_vocab, n_pl)
+    m.weight("altup_proj.weight", (n_embd, n_embd, n_altup - 1))
+    m.weight("altup_unembd_proj.weight", (n_embd, n_embd, n_altup - 1))
+
+    # small mixing coefficients keep the four altup streams close to the active one
+    coef = normal(0.05)
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        add_gemma_attention(m, p, n_embd, hd, nh, nkv)
+        add_gemma_ffn_ple(m, p, n_embd, n_ff, n_pl)
+        m.vec(p + "altup_correct_coef.weight", (n_altup, n_altup), coef)
+        m.vec(p + "altup_correct_scale.weight", (n_embd,), ones)
+        m.vec(p + "altup_predict_coef.weight", (n_altup, n_altup * n_altup), coef)
+        m.weight(p + "altup_router.weight", (n_embd, n_altup))
+        m.norm(p + "altup_router_norm.weight", n_embd)
+        m.weight(p + "laurel_l.weight", (n_embd, rank))
+        m.weight(p + "laurel_r.weight", (rank, n_embd))
+        m.norm(p + "laurel_post_norm.weight", n_embd)
 
 
 def add_qwen35_kv(m: Model, hp: dict) -> None:
@@ -800,6 +861,7 @@ BUILDERS = {
     "qwen3moe": build_qwen3moe,
     "llama": build_llama,
     "gemma4": build_gemma4,
+    "gemma3n": build_gemma3n,
     "qwen35moe": build_qwen35moe,
     "qwen4exp": build_qwen4exp,
 }

@@ -73,6 +73,10 @@ EXPECTED = {
                                       "gemma4.attention.sliding_window_pattern": [True, False, True, False]},
                    tensors=["per_layer_token_embd.weight", "per_layer_model_proj.weight", "rope_freqs.weight",
                             "blk.3.inp_gate.weight", "blk.3.proj.weight", "blk.3.post_norm.weight"]),
+    "gemma3n": dict(arch="gemma3n", kv={"gemma3n.embedding_length_per_layer_input": 256, "gemma3n.block_count": 2,
+                                        "gemma3n.attention.sliding_window_pattern": [True, True]},
+                    tensors=["per_layer_token_embd.weight", "altup_proj.weight", "altup_unembd_proj.weight",
+                             "blk.1.altup_predict_coef.weight", "blk.1.laurel_l.weight", "blk.1.inp_gate.weight"]),
     "qwen35moe-mtp": dict(arch="qwen35moe", kv={"qwen35moe.block_count": 5, "qwen35moe.nextn_predict_layers": 1,
                                                 "qwen35moe.full_attention_interval": 4,
                                                 "qwen35moe.rope.dimension_sections": [3, 3, 2, 0]},
@@ -96,6 +100,8 @@ EXPECTED = {
 
 # f32 by convention although they are matrices (convert_hf_to_gguf.py keeps them f32)
 F32_MATRICES = ("position_embd.weight", "token_types.weight")
+# gemma3n's altup mixing coefficients: tiny matrices kept f32
+F32_SUFFIXES = ("altup_correct_coef.weight", "altup_predict_coef.weight")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -111,7 +117,7 @@ def test_structure(small, preset):
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
     assert int(ts["token_embd.weight"].shape[1]) == n_vocab
     for t in r.tensors:
-        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "conv1d" in t.name or t.name in F32_MATRICES:
+        if ".ffn_gate_inp." in t.name or len(t.shape) == 1 or "conv1d" in t.name or t.name in F32_MATRICES or t.name.endswith(F32_SUFFIXES):
             assert t.tensor_type == GT.F32, t.name
         elif "_exps." in t.name:
             assert t.tensor_type == GT.Q8_0, t.name
