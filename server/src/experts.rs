@@ -77,6 +77,18 @@ impl ExpertConfig {
                 host_op: std::env::var("STRATA_MOE_HOST_OP").as_deref() == Ok("1"),
                 emulate_ring: std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1"),
                 ring_trace: std::env::var_os("STRATA_RING_TRACE").filter(|v| !v.is_empty()).map(PathBuf::from),
+                ring_waves: match std::env::var("STRATA_RING_WAVES") {
+                    Ok(v) if !v.trim().is_empty() => Some(match v.trim().parse::<usize>() {
+                        Ok(n) if (1..=moe::ring::MAX_PASSES).contains(&n) => n,
+                        _ => {
+                            return Err(format!(
+                                "STRATA_RING_WAVES: invalid value '{v}': expected the most passes through the prefill ring per layer, 1 to {}",
+                                moe::ring::MAX_PASSES
+                            ))
+                        }
+                    }),
+                    _ => None,
+                },
                 cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
                     Err(_) | Ok("") => None,
                     Ok("cpu") => Some(moe::ColdDecode::Cpu),
@@ -392,6 +404,7 @@ impl Residency {
                     ("prefill_ring_fills_total", "counter", "Experts copied into ring slots", r.fills),
                     ("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls),
                     ("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches),
+                    ("prefill_ring_waves_total", "counter", "Passes after a layer's first through the ring that computed cold experts", r.waves),
                 ],
             );
         }

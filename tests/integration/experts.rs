@@ -261,17 +261,25 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     assert!(counter(&s, "prefill_ring_batches_total") >= 1);
     drop(s);
 
-    // A half smaller than a layer's cold tier: the most-selected cold experts take the ring, the
-    // rest go to the zero pads on the device and to the CPU (its own ops, or the worker pool).
-    for workers in ["0", "2"] {
-        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8")];
+    // A half smaller than a layer's cold tier. One pass: the most-selected cold experts take the
+    // ring, the rest go to the zero pads on the device and to the CPU (its own ops, or the worker
+    // pool). Two passes (waves): a second half's worth through the other half, the rest on the
+    // CPU. Four: every used cold expert through the ring, nothing on the CPU.
+    for (workers, waves) in [("0", "1"), ("2", "1"), ("0", "2"), ("2", "2"), ("0", "4")] {
+        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8"), ("STRATA_RING_WAVES", waves)];
         let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", workers], &env);
         let log = s.log.lock().unwrap().clone();
         assert!(log.contains("prefill ring: 8 slots in two halves") && log.contains("4 of 4 tiered layers windowed"), "{log}");
-        assert_same(&ref_long, &generate(&s, LONG), &format!("ring of 8 slots, {workers} workers, long prompt"));
-        assert_same(&ref_short, &generate(&s, SHORT), &format!("ring of 8 slots, {workers} workers, short prompt"));
+        let what = format!("ring of 8 slots, {workers} workers, {waves} passes");
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
         assert!(counter(&s, "prefill_ring_batches_total") >= 1);
-        assert!(metric(&s, "expert_selections_total", "mmap") > 0, "the CPU part counted its selections");
+        let (passes, cpu) = (counter(&s, "prefill_ring_waves_total"), metric(&s, "expert_selections_total", "mmap"));
+        assert!(cpu > 0, "{what}: cold selections counted");
+        match waves {
+            "1" => assert_eq!(passes, 0, "{what}"),
+            _ => assert!(passes > 0, "{what}: later passes computed cold experts"),
+        }
         drop(s);
     }
 

@@ -8,7 +8,7 @@ use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
 /// expert graph, which it replaces: the second tier's chain, remaps, flattening, custom ops.
-pub(crate) const EXTRA_NODES_PER_LAYER: u32 = 128;
+pub(crate) const EXTRA_NODES_PER_LAYER: u32 = 192;
 /// Columns up to which the flat second pass stays within the id grouping's shared memory.
 const FLAT_MAX_COLUMNS: i64 = 32768;
 
@@ -160,8 +160,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     }
     // The prefill ring: one mul_mat_id over the window, hot slots and ring slots together.
     // Cold experts the ring's half has no room for go to the zero pads and to the CPU part.
+    // A layer whose used cold experts outnumber a half takes several passes (waves): pass k
+    // computes its share from half (h + k) % 2 while the next share is copied into the other.
     if prompt && lt.ring_preferred(n_tok) {
-        let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.n_cold > r.half);
+        let passes = lt.ring_passes();
+        let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.n_cold > passes * r.half);
         let mut srcs = vec![sel];
         srcs.extend(host_cold_weight(lt));
         let fill = if overflow { ring::fill_only } else { ring::fill };
@@ -175,8 +178,21 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             g.expand(t);
             t
         });
-        let experts = g.ffn("strata_ring_mm", lt.window.as_ref()?, ids, act, false)?;
+        let mut experts = g.ffn("strata_ring_mm", lt.window.as_ref()?, ids, act, false)?;
         g.expand(experts);
+        for k in 1..passes {
+            // SAFETY: experts is a live f32 graph tensor; a one-element view of it orders this
+            // pass's fill after the previous pass has computed.
+            let after = unsafe { sys::ggml_view_1d(g.ctx, experts, 1, 0) };
+            let mut srcs = vec![sel, after];
+            srcs.extend(host_cold_weight(lt));
+            let ids = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, ring::fill_op(k), 1, lt), "strata_ring_fill");
+            g.expand(ids);
+            let pass = g.ffn("strata_ring_mm", lt.pass_mats(k)?, ids, act, false)?;
+            // SAFETY: both are [n_embd, n_used, n_tok] f32 graph tensors, zero where the other computes.
+            experts = unsafe { sys::ggml_add(g.ctx, experts, pass) };
+            g.expand(experts);
+        }
         let out = weighted_sum(&g, experts, n_embd, n_tok, n_used);
         let cold_sum = match (overflow, ticket) {
             (false, _) => None,

@@ -132,6 +132,9 @@ pub struct Switches {
     pub emulate_ring: bool,
     /// Where the ring writes its per-layer timeline (STRATA_RING_TRACE).
     pub ring_trace: Option<std::path::PathBuf>,
+    /// The most passes through the ring a layer's prompt batch may take (STRATA_RING_WAVES;
+    /// None: 4 in the emulation, 1 on a device until the passes are measured there).
+    pub ring_waves: Option<usize>,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -271,6 +274,11 @@ pub(crate) struct LayerTiers {
     /// layer's index in it, when prompt batches may use the prefill ring.
     pub window: Option<Mats<T>>,
     pub ring: Option<(Arc<ring::Ring>, usize)>,
+    /// Tensors over the ring's other half (odd passes of a layer in waves), when it may take them.
+    pub ring_other: Option<Mats<T>>,
+    /// The most passes through the ring, and those the graph being computed has.
+    max_passes: usize,
+    passes: std::sync::atomic::AtomicUsize,
     /// Decode steps read the cold experts from the page-locked copy on the GPU.
     zero_copy: Option<zero_copy::ZeroCopy>,
     _owned: Owned,
@@ -334,33 +342,61 @@ impl LayerTiers {
     /// Whether a prompt batch of `n_tok` tokens takes the prefill ring: the layer has a window
     /// and the cost model (copy rate, CPU rate, measured at start-up) finds copying the
     /// expected distinct cold experts quicker than computing the cold pairs on the CPU.
+    /// Also sets the passes the batch's graph takes through the ring: enough for the expected
+    /// distinct cold experts with a margin, at most the configured number.
     pub(crate) fn ring_preferred(&self, n_tok: i64) -> bool {
         let Some((ring, i)) = self.ring.as_ref().filter(|_| self.window.is_some()) else { return false };
-        let on = self.ring_cheaper(ring, n_tok);
+        let (on, distinct) = self.ring_cheaper(ring, n_tok);
         ring.set_active(*i, on);
+        let passes = if self.ring_other.is_none() || ring.half == 0 {
+            1
+        } else {
+            ((distinct * PASS_MARGIN / ring.half as f64).ceil() as usize).clamp(1, self.max_passes)
+        };
+        self.passes.store(passes, Ordering::Relaxed);
         on
     }
 
-    fn ring_cheaper(&self, ring: &ring::Ring, n_tok: i64) -> bool {
+    /// The tensors pass `k` through the ring computes from: the window (its own half) for even
+    /// passes, the other half's for odd ones.
+    pub(crate) fn pass_mats(&self, k: usize) -> Option<&Mats<T>> {
+        if k.is_multiple_of(2) {
+            self.window.as_ref()
+        } else {
+            self.ring_other.as_ref()
+        }
+    }
+
+    /// Passes through the ring of the graph being computed.
+    pub(crate) fn ring_passes(&self) -> usize {
+        self.passes.load(Ordering::Relaxed).max(1)
+    }
+
+    /// Whether the ring is quicker for a batch, and the distinct cold experts it is expected to use.
+    fn ring_cheaper(&self, ring: &ring::Ring, n_tok: i64) -> (bool, f64) {
+        let draws = n_tok as f64 * self.n_used as f64;
+        let all = (self.n_cold as f64).min(draws);
         // The emulation tests the ring's graph and accounting; the choice is the device's.
         if ring.emulated {
-            return true;
+            return (true, all);
         }
-        let Some(cost) = *ring.cost.lock().unwrap_or_else(|e| e.into_inner()) else { return true };
-        let draws = n_tok as f64 * self.n_used as f64;
+        let Some(cost) = *ring.cost.lock().unwrap_or_else(|e| e.into_inner()) else { return (true, all) };
         let total: u64 = self.tally.per_expert.iter().map(|c| c.load(Ordering::Relaxed)).sum();
-        if total >= COLD_SHARE_MIN_COUNT {
-            let q = (0..self.n_expert())
+        let q: Vec<f64> = if total >= COLD_SHARE_MIN_COUNT {
+            (0..self.n_expert())
                 .filter(|&e| self.cold_row(e as i32).is_some())
-                .map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64);
-            plan::batch_prefers_ring(&cost, draws, self.cold_share(), q)
+                .map(|e| self.tally.per_expert[e].load(Ordering::Relaxed) as f64 / total as f64)
+                .collect()
         } else {
-            let n_cold = self.n_cold.max(1) as f64;
-            plan::batch_prefers_ring(&cost, draws, self.cold_share(), std::iter::repeat_n(self.cold_share_prior / n_cold, self.n_cold))
-        }
+            vec![self.cold_share_prior / self.n_cold.max(1) as f64; self.n_cold]
+        };
+        let distinct = plan::expected_distinct(q.iter().copied(), draws);
+        (plan::batch_prefers_ring(&cost, draws, self.cold_share(), q.into_iter()), distinct)
     }
 }
 
+/// Passes through the ring planned for this many times the expected distinct cold experts.
+const PASS_MARGIN: f64 = 1.25;
 /// Selections a layer counts before its own cold share replaces the profile's.
 const COLD_SHARE_MIN_COUNT: u64 = 4096;
 /// Cold (token, expert) pairs per CPU worker up to which a prompt batch keeps them on the CPU.
@@ -524,6 +560,7 @@ pub struct RingCounters {
     pub fills: u64,
     pub stalls: u64,
     pub batches: u64,
+    pub waves: u64,
 }
 
 /// Every prefill ring built, for /metrics (dropped with the last layer that uses it).
@@ -542,6 +579,7 @@ pub fn ring_stats() -> Option<RingCounters> {
         o.fills += s.fills.load(Ordering::Relaxed);
         o.stalls += s.stalls.load(Ordering::Relaxed);
         o.batches += s.batches.load(Ordering::Relaxed);
+        o.waves += s.waves.load(Ordering::Relaxed);
     }
     out
 }
@@ -788,15 +826,20 @@ fn set_map(t: T, map: &[i32]) {
     unsafe { sys::ggml_backend_tensor_set(t, map.as_ptr().cast(), 0, std::mem::size_of_val(map)) };
 }
 
+/// A layer's ring tensors: its windows, the hot tensors within them, and (for passes in waves)
+/// tensors over the other half of the ring.
+type Windows = (Mats<T>, Mats<T>, Option<Mats<T>>);
+
 /// Allocates a layer's windows: per matrix, `head_slots` experts of its own (hot experts, then
-/// pads) followed by the ring. Returns the window tensors ([head_slots + ring slots]) and the
-/// hot tensors over their first `head_slots` experts.
-fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i32, owned: &mut Owned) -> Result<(Mats<T>, Mats<T>), PlaceError> {
-    let a = Alloc::new(8);
+/// pads) followed by the ring. Returns the window tensors ([head_slots + ring slots]), the hot
+/// tensors over their first `head_slots` experts and, with `other`, tensors over the ring's
+/// other half alone.
+fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i32, other: bool, owned: &mut Owned) -> Result<Windows, PlaceError> {
+    let a = Alloc::new(12);
     owned.ctxs.push(a.ctx);
     let mut kind = 0usize;
     let mut err = None;
-    let pair = |t: T| -> Option<(T, T)> {
+    let pair = |t: T| -> Option<(T, T, Option<T>)> {
         let m = kind;
         kind += 1;
         // SAFETY: t is a live 3-d model tensor.
@@ -820,6 +863,11 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         owned.bufs.push(buf);
         let win = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.window"));
         let hot = a.like(t, head_slots, &format!("blk.{il}.exps.hot"));
+        let alloc_err = || PlaceError::Alloc {
+            what: format!("layer {il} expert window tensors"),
+            bytes: (head + ring_bytes) as u64,
+            device: "the hot tier's device".into(),
+        };
         // SAFETY: buf holds head + ring_bytes bytes from its base; both tensors start there and fit.
         unsafe {
             sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
@@ -827,19 +875,38 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
             if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS
                 || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS
             {
-                err = Some(PlaceError::Alloc {
-                    what: format!("layer {il} expert window tensors"),
-                    bytes: (head + ring_bytes) as u64,
-                    device: "the hot tier's device".into(),
-                });
+                err = Some(alloc_err());
                 return None;
             }
         }
-        Some((win, hot))
+        // The other half alone: a window with no head of its own.
+        let rest = if other {
+            let Some(ring::WindowMem::Device(b) | ring::WindowMem::Host(b)) = r.window(m, r.next_index() + 1, 0, ring_bytes) else {
+                err = Some(alloc_err());
+                return None;
+            };
+            owned.bufs.push(b);
+            let t = a.like(t, ring_slots, &format!("blk.{il}.exps.ring_other"));
+            // SAFETY: b holds ring_bytes bytes from its base; the tensor fits.
+            unsafe {
+                sys::ggml_backend_buffer_set_usage(b, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+                if sys::ggml_backend_tensor_alloc(b, t, sys::ggml_backend_buffer_get_base(b)) != sys::GGML_STATUS_SUCCESS {
+                    err = Some(alloc_err());
+                    return None;
+                }
+            }
+            Some(t)
+        } else {
+            None
+        };
+        Some((win, hot, rest))
     };
-    let pairs = src.map(pair);
-    match (pairs, err) {
-        (Some(p), None) => Ok((p.map(|(w, _)| Some(w)).expect("infallible"), p.map(|(_, h)| Some(h)).expect("infallible"))),
+    let parts = src.map(pair);
+    match (parts, err) {
+        (Some(p), None) => {
+            let rest = other.then(|| p.map(|(_, _, o)| o)).flatten();
+            Ok((p.map(|(w, _, _)| Some(w)).expect("infallible"), p.map(|(_, h, _)| Some(h)).expect("infallible"), rest))
+        }
         (_, Some(e)) => Err(e),
         (None, None) => Err(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: 0, device: "the hot tier's device".into() }),
     }
@@ -1007,11 +1074,14 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let n_cold = cold_list.len();
         // With the ring, the hot experts and pads live in windows: [hot | pads | ring] per matrix.
         let windowed = ring.as_ref().filter(|_| n_cold > 0 && (copy.is_some() || info.host));
-        let mut window = None;
+        // Passes in waves need the backend to skip ids of -1: the CPU's kernels do, a GPU's
+        // only for quantized experts (patches/0006).
+        let max_passes = if quantized || !gpu { plan.switches.ring_waves.unwrap_or(if gpu { 1 } else { 4 }).clamp(1, ring::MAX_PASSES) } else { 1 };
+        let (mut window, mut ring_other) = (None, None);
         let hot_mats = match windowed {
             Some(r) => {
-                let (w, h) = windows(r, &src, n_hot + n_used, plan.ring_half, il, &mut owned)?;
-                window = Some(w);
+                let (w, h, o) = windows(r, &src, n_hot + n_used, plan.ring_half, il, max_passes > 1, &mut owned)?;
+                (window, ring_other) = (Some(w), o);
                 (n_hot > 0).then_some(h)
             }
             None => (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible")),
@@ -1128,7 +1198,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 let (srcs, dsts) = unsafe {
                     let srcs: Vec<(usize, usize)> = cold_tensors.iter().map(|t| ((*t).data as usize, (*t).nb[2])).collect();
                     let dsts: Vec<usize> = w.iter().map(|t| (*t).data as usize + (n_hot + n_used) * (*t).nb[2]).collect();
-                    (srcs, dsts)
+                    let others: Vec<usize> = ring_other.iter().flat_map(Mats::iter).map(|t| (*t).data as usize).collect();
+                    (srcs, [dsts, others])
                 };
                 max_expert_bytes = max_expert_bytes.max(info.expert_bytes);
                 let idx = r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots.clone(), tally.clone(), n_used));
@@ -1166,6 +1237,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 tally,
                 window,
                 ring: ring_entry,
+                ring_other,
+                max_passes,
+                passes: std::sync::atomic::AtomicUsize::new(1),
                 zero_copy,
                 _owned: owned,
             }),

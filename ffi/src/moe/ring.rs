@@ -127,6 +127,22 @@ impl Slots {
     }
 }
 
+/// How a prompt batch's used cold experts of one layer go through the ring: pass k computes
+/// `chunks[k]` from half (h + k) % 2, so the copies of pass k + 1 run while pass k computes;
+/// `cpu` are those no pass takes (the CPU part computes them).
+#[derive(Debug, Default, PartialEq)]
+pub struct Waves {
+    pub chunks: Vec<Vec<i32>>,
+    pub cpu: Vec<i32>,
+}
+
+/// Splits `used` (distinct, most selected first) into at most `passes` chunks of a half each.
+pub fn plan_waves(used: &[i32], half: usize, passes: usize) -> Waves {
+    let take = (half * passes.max(1)).min(used.len());
+    let chunks = if half == 0 { Vec::new() } else { used[..take].chunks(half).map(<[i32]>::to_vec).collect() };
+    Waves { chunks, cpu: used[take.min(used.len())..].to_vec() }
+}
+
 pub use strata_residency::plan::CostModel;
 
 /// Share of a layer's time the next layer's prefetch may fill with copies.
@@ -273,6 +289,8 @@ pub struct RingStats {
     pub fills: AtomicU64,
     pub stalls: AtomicU64,
     pub batches: AtomicU64,
+    /// Passes after a layer's first that computed cold experts (a layer in waves).
+    pub waves: AtomicU64,
 }
 
 /// A tiered layer as the ring sees it.
@@ -283,6 +301,10 @@ pub(crate) struct RingLayer {
     src: Vec<(usize, usize)>,
     /// Ring start in this layer's window, per matrix (device addresses, or host in emulation).
     dst: Vec<usize>,
+    /// Ring start of the other half's tensors (odd passes of a layer in waves), per matrix.
+    dst_other: Vec<usize>,
+    /// The current batch's passes (set by the first, read by the others).
+    waves: Mutex<Waves>,
     /// expert -> cold row, or -1 when hot.
     cold_rows: Vec<i32>,
     /// expert -> hot slot, or -1 when cold.
@@ -464,7 +486,8 @@ impl Ring {
     pub(crate) fn reassign(&self, i: usize, cold_rows: Vec<i32>, hot_slots: Vec<i32>) {
         let mut layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = layers.get_mut(i) {
-            let l = RingLayer::new(old.first_slot, old.src.clone(), old.dst.clone(), cold_rows, hot_slots, old.tally.clone(), old.n_used);
+            let l =
+                RingLayer::new(old.first_slot, old.src.clone(), [old.dst.clone(), old.dst_other.clone()], cold_rows, hot_slots, old.tally.clone(), old.n_used);
             l.active.store(old.active.load(Ordering::Relaxed), Ordering::Relaxed);
             *old = Arc::new(l);
         }
@@ -518,53 +541,24 @@ impl Ring {
         done
     }
 
-    fn pieces(&self, rl: &RingLayer, copies: &[(i32, usize)]) -> Vec<Piece> {
+    /// Copies of cold experts into ring slots of the layer's own half, or of its other half's
+    /// tensors (`other`).
+    fn pieces(&self, rl: &RingLayer, copies: &[(i32, usize)], other: bool) -> Vec<Piece> {
+        let dst = if other { &rl.dst_other } else { &rl.dst };
         let mut out = Vec::with_capacity(copies.len() * rl.src.len());
         for &(e, s) in copies {
             let Some(row) = usize::try_from(e).ok().and_then(|e| rl.cold_rows.get(e)).and_then(|&r| usize::try_from(r).ok()) else { continue };
-            for ((&(src, nb2), &dst), _) in rl.src.iter().zip(&rl.dst).zip(0..) {
+            for (&(src, nb2), &dst) in rl.src.iter().zip(dst) {
                 out.push(Piece { dst: dst + s * nb2, src: src + row * nb2, bytes: nb2 });
             }
         }
         out
     }
 
-    /// The fill step of ring layer `i` for a batch routed as `sel` ([n_used, n_tok]): places the
-    /// used cold experts in the layer's half (waiting for its prefetch, copying what it missed),
-    /// writes each selection's window slot into `out`, then prefetches the next layer's likely
-    /// experts into the other half. Returns the slots' [`bounds`], or None if a copy failed (out
-    /// is then unusable).
-    pub(crate) fn fill(&self, i: usize, sel: &[i32], out: &mut [i32]) -> Option<(i32, i32)> {
-        let started = Instant::now();
-        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let rl = layers.get(i)?;
-        let n = layers.len();
-        let h = i % 2;
-        let mut counts = vec![0u32; rl.cold_rows.len()];
-        for &e in sel {
-            if rl.cold_row(e).is_some() {
-                counts[e as usize] += 1;
-            }
-        }
-        let mut used: Vec<(i32, u32)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(e, &c)| (e as i32, c)).collect();
-        used.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        // The most-selected fill the half; the rest go to the zero pads (the CPU computes them).
-        let used: Vec<i32> = used.into_iter().map(|(e, _)| e).take(self.half).collect();
-
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        // The time since the previous ring layer's fill: about one layer of this batch on the GPU.
-        let layer_s = match (st.last, st.last_at) {
-            (Some(l), Some(at)) if l < i => Some(now.duration_since(at).as_secs_f64() / (i - l) as f64),
-            _ => None,
-        };
-        if st.last.is_none_or(|l| i <= l) {
-            st.batch_bytes = 0;
-            self.stats.batches.fetch_add(1, Ordering::Relaxed);
-        }
-        st.last = Some(i);
-        st.last_at = Some(now);
-        let wait_at = Instant::now();
+    /// Places `chunk` of ring layer `i` in half `h` after waiting for the copies in flight there,
+    /// copying what is missing and waiting for it. Returns what was placed, the bytes copied and
+    /// when the wait for the copies in flight ended; None if a copy failed.
+    fn place_now(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) -> Option<(Placed, u64, Instant)> {
         if let Some(p) = st.pending[h].take() {
             let (ok, stalled) = p.wait();
             if stalled {
@@ -574,75 +568,166 @@ impl Ring {
                 st.slots.invalidate(h);
             }
         }
-        let placed = st.slots.place(h, i, &used)?;
-        let pieces = self.pieces(rl, &placed.copies);
+        let waited = Instant::now();
+        let placed = st.slots.place(h, i, chunk)?;
+        let pieces = self.pieces(rl, &placed.copies, other);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-        let copy_at = Instant::now();
-        let (ok, _) = self.submit(pieces, h).wait();
-        let copied_at = Instant::now();
-        if !ok {
+        if !self.submit(pieces, h).wait().0 {
             st.slots.invalidate(h);
             return None;
         }
+        self.account(st, bytes, placed.hits, placed.copies.len());
+        Some((placed, bytes, waited))
+    }
+
+    /// Starts copying `chunk` of ring layer `i` into half `h` (free: the pass that last used it
+    /// has finished), to be waited for by the pass that computes it.
+    fn place_ahead(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) {
+        if let Some(p) = st.pending[h].take() {
+            if !p.wait().0 {
+                st.slots.invalidate(h);
+            }
+        }
+        let Some(placed) = st.slots.place(h, i, chunk) else { return };
+        let pieces = self.pieces(rl, &placed.copies, other);
+        let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        // Hits are counted when the pass runs.
+        self.account(st, bytes, 0, placed.copies.len());
+        st.pending[h] = Some(self.submit(pieces, h));
+    }
+
+    fn account(&self, st: &mut State, bytes: u64, hits: usize, copies: usize) {
         st.batch_bytes += bytes;
         self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
-        let (placed_hits, placed_copies) = (placed.hits, placed.copies.len());
-        self.stats.hits.fetch_add(placed.hits as u64, Ordering::Relaxed);
-        self.stats.fills.fetch_add(placed.copies.len() as u64, Ordering::Relaxed);
+        self.stats.hits.fetch_add(hits as u64, Ordering::Relaxed);
+        self.stats.fills.fetch_add(copies as u64, Ordering::Relaxed);
+    }
+
+    /// The fill step of pass `k` of ring layer `i` for a batch routed as `sel` ([n_used, n_tok])
+    /// that the graph computes in at most `passes` passes. The first pass plans them: the used
+    /// cold experts, most selected first, a half per pass; what no pass takes goes to the zero
+    /// pads (the CPU part computes it). Pass k computes its chunk from half (h + k) % 2, where
+    /// h is the layer's own: even passes through the layer's window (its hot slots too in the
+    /// first), odd ones through its other-half tensors. Each pass waits for its chunk (copied
+    /// ahead while the previous pass computed, or the layer's prefetch), starts copying the
+    /// next chunk into the other half, and writes each selection's slot into `out`: its slot in
+    /// this pass, -1 where another pass computes it, a pad where the CPU does. After the last
+    /// pass with experts, the next ring layer's likely experts are prefetched into its half if
+    /// that half is free. Returns the slots' [`bounds`] and whether `out` holds a -1, or None if
+    /// a copy failed (out is then unusable).
+    pub(crate) fn fill(&self, i: usize, k: usize, passes: usize, sel: &[i32], out: &mut [i32]) -> Option<((i32, i32), bool)> {
+        let started = Instant::now();
+        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let rl = layers.get(i)?;
+        let n = layers.len();
+        let h = i % 2;
+        let hk = (h + k) % 2;
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let mut layer_s = None;
+        if k == 0 {
+            // The time since the previous ring layer's fill: about one layer of this batch on the GPU.
+            layer_s = match (st.last, st.last_at) {
+                (Some(l), Some(at)) if l < i => Some(now.duration_since(at).as_secs_f64() / (i - l) as f64),
+                _ => None,
+            };
+            if st.last.is_none_or(|l| i <= l) {
+                st.batch_bytes = 0;
+                self.stats.batches.fetch_add(1, Ordering::Relaxed);
+            }
+            st.last = Some(i);
+            st.last_at = Some(now);
+            let mut counts = vec![0u32; rl.cold_rows.len()];
+            for &e in sel {
+                if rl.cold_row(e).is_some() {
+                    counts[e as usize] += 1;
+                }
+            }
+            let mut used: Vec<(i32, u32)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(e, &c)| (e as i32, c)).collect();
+            used.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            let used: Vec<i32> = used.into_iter().map(|(e, _)| e).collect();
+            let passes = if rl.dst_other.is_empty() { 1 } else { passes };
+            *rl.waves.lock().unwrap_or_else(|e| e.into_inner()) = plan_waves(&used, self.half, passes);
+        }
+        let waves = rl.waves.lock().unwrap_or_else(|e| e.into_inner());
+        let chunk: &[i32] = waves.chunks.get(k).map_or(&[], Vec::as_slice);
+        let wait_at = Instant::now();
+        let (placed, bytes, copy_at) = self.place_now(&mut st, rl, i, hk, chunk, k % 2 == 1)?;
+        let copied_at = Instant::now();
+        if k > 0 && !chunk.is_empty() {
+            self.stats.waves.fetch_add(1, Ordering::Relaxed);
+        }
+        let base = if k.is_multiple_of(2) { rl.first_slot } else { 0 };
         let mut slot = vec![-1i32; rl.cold_rows.len()];
-        for (e, s) in placed.slot_of {
-            slot[e as usize] = (rl.first_slot + s) as i32;
+        for &(e, s) in &placed.slot_of {
+            slot[e as usize] = (base + s) as i32;
         }
         let pads = rl.first_slot - rl.n_used;
-        for (k, (o, &e)) in out.iter_mut().zip(sel).enumerate() {
-            let hot = usize::try_from(e).ok().and_then(|e| rl.hot_slots.get(e)).copied().unwrap_or(-1);
-            let ring = usize::try_from(e).ok().and_then(|e| slot.get(e)).copied().unwrap_or(-1);
-            *o = if hot >= 0 {
+        let mut to_cpu = vec![false; if k == 0 { rl.cold_rows.len() } else { 0 }];
+        for &e in &waves.cpu {
+            if let Some(c) = to_cpu.get_mut(e as usize) {
+                *c = true;
+            }
+        }
+        let mut skips = false;
+        for (j, (o, &e)) in out.iter_mut().zip(sel).enumerate() {
+            let at = |v: &[i32]| usize::try_from(e).ok().and_then(|e| v.get(e)).copied().unwrap_or(-1);
+            let (hot, ring) = (at(&rl.hot_slots), at(&slot));
+            *o = if k == 0 && hot >= 0 {
                 hot
             } else if ring >= 0 {
                 ring
+            } else if usize::try_from(e).ok().and_then(|e| to_cpu.get(e)).copied().unwrap_or(false) {
+                (pads + j % rl.n_used) as i32
             } else {
-                (pads + k % rl.n_used) as i32
+                skips = true;
+                -1
             };
         }
-        // Prefetch the next layer that this graph runs through the ring, unless it shares this
-        // half (an odd count wrapping, or a layer between that computes its cold experts elsewhere).
-        let next = (1..=n).map(|d| (i + d) % n).find(|&j| layers[j].active.load(Ordering::Relaxed));
-        if let Some(j) = next.filter(|&j| j != i && j % 2 != h) {
-            let draws = sel.len() as f64;
-            // As many as the copy engine moves while this layer computes, most likely first.
-            let rate = self.cost.lock().unwrap_or_else(|e| e.into_inner()).map(|c| c.copy_bytes_per_s);
-            let budget = match (layer_s, rate) {
-                (Some(t), Some(r)) => Some(((PREFETCH_SHARE * t * r) as usize / layers[j].expert_bytes().max(1)).min(self.half)),
-                _ => None,
-            };
-            let likely = layers[j].likely_cold(draws, budget);
-            let copies = st.slots.prefetch(j % 2, j, &likely);
-            let pieces = self.pieces(&layers[j], &copies);
-            let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-            st.batch_bytes += b;
-            self.stats.h2d_bytes.fetch_add(b, Ordering::Relaxed);
-            self.stats.fills.fetch_add(copies.len() as u64, Ordering::Relaxed);
-            st.pending[j % 2] = Some(self.submit(pieces, j % 2));
+        // The next pass's chunk goes into the other half while this pass computes.
+        if let Some(next) = waves.chunks.get(k + 1) {
+            self.place_ahead(&mut st, rl, i, (hk + 1) % 2, next, (k + 1) % 2 == 1);
+        } else if k + 1 >= waves.chunks.len() {
+            // Prefetch the next layer that this graph runs through the ring into its half, unless
+            // that half is this pass's (an odd count wrapping, a pass in the other half, or a
+            // layer between that computes its cold experts elsewhere).
+            let next = (1..=n).map(|d| (i + d) % n).find(|&j| layers[j].active.load(Ordering::Relaxed));
+            if let Some(j) = next.filter(|&j| j != i && j % 2 != hk) {
+                let draws = sel.len() as f64;
+                // As many as the copy engine moves while this layer computes, most likely first.
+                let rate = self.cost.lock().unwrap_or_else(|e| e.into_inner()).map(|c| c.copy_bytes_per_s);
+                let budget = match (layer_s, rate) {
+                    (Some(t), Some(r)) => Some(((PREFETCH_SHARE * t * r) as usize / layers[j].expert_bytes().max(1)).min(self.half)),
+                    _ => None,
+                };
+                let likely = layers[j].likely_cold(draws, budget);
+                let copies = st.slots.prefetch(j % 2, j, &likely);
+                let pieces = self.pieces(&layers[j], &copies, false);
+                let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+                self.account(&mut st, b, 0, copies.len());
+                st.pending[j % 2] = Some(self.submit(pieces, j % 2));
+            }
         }
         self.stats.h2d_bytes_last_batch.store(st.batch_bytes, Ordering::Relaxed);
         let (cols, n_as) = bounds(out);
         if let Some(trace) = self.trace.as_ref() {
             let ms = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64() * 1e3;
             let line = format!(
-                "{{\"layer\":{i},\"n_tok\":{},\"since_prev_ms\":{},\"prefetch_wait_ms\":{:.3},\"missing_copy_ms\":{:.3},\"fill_ms\":{:.3},\"used_cold\":{},\"hits\":{},\"copied\":{},\"bytes\":{bytes},\"max_cols\":{cols},\"n_as\":{n_as}}}\n",
+                "{{\"layer\":{i},\"pass\":{k},\"n_tok\":{},\"since_prev_ms\":{},\"copy_wait_ms\":{:.3},\"missing_copy_ms\":{:.3},\"fill_ms\":{:.3},\"used_cold\":{},\"hits\":{},\"copied\":{},\"bytes\":{bytes},\"to_cpu\":{},\"max_cols\":{cols},\"n_as\":{n_as}}}\n",
                 sel.len() / rl.n_used.max(1),
                 layer_s.map_or("null".into(), |t| format!("{:.3}", t * 1e3)),
                 ms(wait_at, copy_at),
                 ms(copy_at, copied_at),
                 ms(started, Instant::now()),
-                used.len(),
-                placed_hits,
-                placed_copies,
+                chunk.len(),
+                placed.hits,
+                placed.copies.len(),
+                if k == 0 { waves.cpu.len() } else { 0 },
             );
             let _ = std::io::Write::write_all(&mut *trace.lock().unwrap_or_else(|e| e.into_inner()), line.as_bytes());
         }
-        out.iter().all(|&s| s >= 0).then_some((cols, n_as))
+        // An empty pass still launches its kernels: give them one expert and one column.
+        Some(((cols.max(1), n_as.max(1)), skips))
     }
 
     /// Copies cold rows into other device tensors (`--pcie-frac` staging slots) through the
@@ -675,7 +760,7 @@ impl Ring {
             return None;
         }
         let copies: Vec<(i32, usize)> = cold.iter().enumerate().map(|(s, &e)| (e, s)).collect();
-        let pieces = self.pieces(rl, &copies);
+        let pieces = self.pieces(rl, &copies, false);
         let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
         // One warm-up, then the timed copy.
         self.submit(pieces.clone(), 0).wait();
@@ -688,16 +773,19 @@ impl Ring {
 }
 
 impl RingLayer {
+    /// `dst`: the ring's start in the layer's window and in its other-half tensors (empty when
+    /// the layer has none), per matrix.
     pub(crate) fn new(
         first_slot: usize,
         src: Vec<(usize, usize)>,
-        dst: Vec<usize>,
+        dst: [Vec<usize>; 2],
         cold_rows: Vec<i32>,
         hot_slots: Vec<i32>,
         tally: Arc<Tally>,
         n_used: usize,
     ) -> Self {
-        Self { first_slot, src, dst, cold_rows, hot_slots, tally, n_used, active: Default::default() }
+        let [dst, dst_other] = dst;
+        Self { first_slot, src, dst, dst_other, waves: Mutex::default(), cold_rows, hot_slots, tally, n_used, active: Default::default() }
     }
 
     fn cold_row(&self, e: i32) -> Option<usize> {
@@ -771,10 +859,11 @@ fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Stagin
     }
 }
 
-/// The custom op of a tiered layer's prompt batch. Sources: sel [n_used, n_tok] i32, then a
-/// cold host tensor (it places the op on the CPU). Writes dst [n_used, n_tok] i32: each
-/// selection's slot in the layer's window: its hot slot, its ring slot, or (a cold expert the
-/// half had no room for) the zero pad of its position, which the CPU part computes instead.
+/// The custom op of a tiered layer's prompt batch, its first pass through the ring. Sources:
+/// sel [n_used, n_tok] i32, then a cold host tensor (it places the op on the CPU). Writes dst
+/// [n_used, n_tok] i32: each selection's slot in the layer's window: its hot slot, its ring slot,
+/// -1 where a later pass computes it, or (a cold expert no pass has room for) the zero pad of
+/// its position, which the CPU part computes instead.
 ///
 /// # Safety
 /// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
@@ -792,13 +881,48 @@ pub(crate) unsafe extern "C" fn fill(dst: *mut sys::ggml_tensor, ith: i32, nth: 
 /// [`fill`] without counting the selections, for graphs whose CPU part counts them.
 ///
 /// # Safety
-/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
-/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
-/// unwind through ggml's C frames).
+/// As [`fill`].
 pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
-    if ith != 0 {
-        return;
+    if ith == 0 {
+        // SAFETY: as fill.
+        unsafe { fill_pass_at(dst, 0, userdata) };
     }
+}
+
+/// Pass `K` (>= 1) of a layer in waves: each selection's slot in this pass's tensors, or -1.
+/// Sources: sel, a view of the previous pass's output (so the scheduler runs this step after
+/// that pass has computed, when the half it used is free), then a cold host tensor.
+///
+/// # Safety
+/// As [`fill`].
+pub(crate) unsafe extern "C" fn fill_pass<const K: usize>(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
+    if ith == 0 {
+        // SAFETY: as fill.
+        unsafe { fill_pass_at(dst, K, userdata) };
+    }
+}
+
+/// The most passes a layer's graph may have (one fill function each).
+pub const MAX_PASSES: usize = 8;
+
+/// The fill op of pass `k`, for the graph builder.
+pub(crate) fn fill_op(k: usize) -> sys::ggml_custom_op_t {
+    let f: unsafe extern "C" fn(*mut sys::ggml_tensor, i32, i32, *mut c_void) = match k {
+        0 => fill_only,
+        1 => fill_pass::<1>,
+        2 => fill_pass::<2>,
+        3 => fill_pass::<3>,
+        4 => fill_pass::<4>,
+        5 => fill_pass::<5>,
+        6 => fill_pass::<6>,
+        _ => fill_pass::<7>,
+    };
+    Some(f)
+}
+
+/// # Safety
+/// `dst` is a fill op's live tensor (sel its first source) and `userdata` the layer's `LayerTiers`.
+unsafe fn fill_pass_at(dst: *mut sys::ggml_tensor, k: usize, userdata: *mut c_void) {
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
     // SAFETY: the graph builder gave this op sel as its first source; dst is i32 of sel's shape.
@@ -807,20 +931,22 @@ pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, 
         (kernels::ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
     };
     let Some((ring, i)) = lt.ring.as_ref() else { return };
-    let Some((cols, n_as)) = ring.fill(*i, sel, out) else {
+    let Some(((cols, n_as), skips)) = ring.fill(*i, k, lt.ring_passes(), sel, out) else {
         // A failed copy cannot be recovered inside a graph; the layer's result would be wrong.
         crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
         std::process::abort();
     };
-    // The window's mul_mat_ids run next (a later split of this graph, on this thread): tell the
-    // backend how little of the window this batch uses (patches/0004).
-    if let Some(w) = lt.window.as_ref() {
+    // The pass's mul_mat_ids run next (a later split of this graph, on this thread): tell the
+    // backend how little of the tensors this pass uses, and whether some ids are -1 (patches/0004,
+    // patches/0006).
+    if let Some(w) = lt.pass_mats(k) {
         for t in w.iter() {
-            // SAFETY: the window tensors are the layer's own, alive while it is; nothing else writes
+            // SAFETY: the tensors are the layer's own, alive while it is; nothing else writes
             // their op_params, and the graph that reads them runs on this thread after this op.
             unsafe {
                 (*t).op_params[0] = cols;
                 (*t).op_params[1] = n_as;
+                (*t).op_params[2] = i32::from(skips);
             }
         }
     }
@@ -867,6 +993,36 @@ mod tests {
         assert_eq!(bounds(&[3, 0, 3, 7, 3, 0]), (3, 8));
         assert_eq!(bounds(&[5]), (1, 6));
         assert_eq!(bounds(&[]), (0, 0));
+    }
+
+    #[test]
+    fn waves_take_a_half_per_pass_and_leave_the_rest_to_the_cpu() {
+        let used = [9, 4, 7, 1, 3, 8, 2];
+        assert_eq!(plan_waves(&used, 3, 1), Waves { chunks: vec![vec![9, 4, 7]], cpu: vec![1, 3, 8, 2] });
+        assert_eq!(plan_waves(&used, 3, 2), Waves { chunks: vec![vec![9, 4, 7], vec![1, 3, 8]], cpu: vec![2] });
+        assert_eq!(plan_waves(&used, 3, 4), Waves { chunks: vec![vec![9, 4, 7], vec![1, 3, 8], vec![2]], cpu: vec![] });
+        assert_eq!(plan_waves(&[], 3, 4), Waves::default(), "nothing used, no pass");
+        assert_eq!(plan_waves(&used, 0, 4).cpu, used.to_vec(), "no ring, all on the CPU");
+    }
+
+    /// The ring's bookkeeping over a layer in waves, then the next layer: a pass's chunk lands in
+    /// its half while the previous pass's half is reused, and a half another layer took is
+    /// copied afresh.
+    #[test]
+    fn passes_alternate_halves_and_reuse_slots() {
+        let mut s = Slots::new(2);
+        // Layer 0 (half 0): pass 0 takes 2 experts in half 0, pass 1 copies 2 more into half 1 ahead.
+        let p0 = s.place(0, 0, &[10, 11]).expect("fits");
+        let p1 = s.place(1, 0, &[12, 13]).expect("fits");
+        assert_eq!((p0.copies.len(), p1.copies.len()), (2, 2));
+        // Pass 2 reuses half 0 (pass 0 has computed): only the new expert is copied.
+        let p2 = s.place(0, 0, &[14, 10]).expect("fits");
+        assert_eq!((p2.hits, p2.copies), (1, vec![(14, 1)]), "10 stays where it is, 14 takes 11's slot");
+        // Pass 1's half then serves layer 1 (half 1): its content was layer 0's, so all is copied.
+        let q = s.place(1, 1, &[12]).expect("fits");
+        assert_eq!((q.hits, q.copies.len()), (0, 1));
+        // The next batch's pass 0 of layer 0 finds half 0 as pass 2 left it.
+        assert_eq!(s.place(0, 0, &[10, 14]).expect("fits").hits, 2);
     }
 
     #[test]
@@ -928,11 +1084,11 @@ mod tests {
             tally.per_expert[e].store(c, Ordering::Relaxed);
         }
         let cold_rows = vec![-1, -1, 0, 1, 2, 3, 4, 5];
-        let rl = RingLayer::new(4, vec![(0, 16)], vec![0], cold_rows, vec![0, 1, -1, -1, -1, -1, -1, -1], tally, 2);
+        let rl = RingLayer::new(4, vec![(0, 16)], [vec![0], vec![]], cold_rows, vec![0, 1, -1, -1, -1, -1, -1, -1], tally, 2);
         assert_eq!(rl.likely_cold(100.0, Some(2)), vec![7, 6], "the budget takes the likeliest first");
         assert_eq!(rl.likely_cold(100.0, Some(10)), vec![7, 6, 5], "2, 3 and 4 have almost no chance in 100 draws");
         assert_eq!(rl.likely_cold(10.0, None), vec![7], "without a budget, only those more likely than not");
-        let fresh = RingLayer::new(4, vec![(0, 16)], vec![0], vec![-1, 0, 1], vec![0, -1, -1], Arc::new(Tally::new(3)), 2);
+        let fresh = RingLayer::new(4, vec![(0, 16)], [vec![0], vec![]], vec![-1, 0, 1], vec![0, -1, -1], Arc::new(Tally::new(3)), 2);
         assert_eq!(fresh.likely_cold(100.0, Some(1)), vec![1], "before any counts: every cold expert, up to the budget");
     }
 }

@@ -267,6 +267,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_RING_WAVES",
+        help: "most passes through the prefill ring per layer and prompt batch, 1-8 (used cold experts beyond a half take further passes through the other half, copied while the previous pass computes; default 1 on a GPU, where passes are not yet measured, 4 in the CPU emulation)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_RING_TRACE",
         help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
         effect: Effect::Experts,
