@@ -444,13 +444,24 @@ fn adaptation_follows_the_routing_and_keeps_the_output() {
     drop(fixed);
 
     let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "4"];
-    let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root)]);
+    let learned = dir.join("learned.json");
+    let mut first = args.to_vec();
+    first.extend(["--expert-profile-out", learned.to_str().unwrap()]);
+    let s = Server::start(&first, &[("STRATA_MEMGUARD_ROOT", root)]);
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("experts: adapting 4 of 4 tiered layers every 4 batches from an even placement"), "{log}");
     let share = hot_share_of_repeats(&s, &refs, "adapting, CPU decode");
     let (swaps, bytes) = (counter(&s, "expert_swaps_total"), counter(&s, "expert_swap_bytes_total"));
     assert!(swaps > 0 && bytes > 0 && counter(&s, "expert_adapt_intervals_total") > 0, "swaps {swaps}, bytes {bytes}");
     assert!(share > fixed_share + 0.05, "hot-tier share {share:.3} adapting vs {fixed_share:.3} fixed");
+    drop(s);
+
+    // What the adapting server saw, saved by --expert-profile-out, places a fixed hot tier that
+    // serves the same requests better than the even one.
+    let fixed_args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", learned.to_str().unwrap(), "--expert-cache", "24"];
+    let s = Server::start(&fixed_args, &[("STRATA_MEMGUARD_ROOT", root)]);
+    let learned_share = hot_share_of_repeats(&s, &refs, "the learned profile, fixed");
+    assert!(learned_share > fixed_share + 0.05, "hot-tier share {learned_share:.3} from the learned profile vs {fixed_share:.3} even");
     drop(s);
 
     // The other decode paths read the maps a swap rewrites: zero-copy decode's skip maps, the
