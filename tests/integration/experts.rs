@@ -301,6 +301,11 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_PREFILL_RING", "many")]);
     assert_ne!(out.status, 0);
     assert!(out.stderr.contains("STRATA_PREFILL_RING: invalid value 'many'"), "{}", out.stderr);
+    for bad in ["0", "9", "all"] {
+        let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_WAVES", bad)]);
+        assert_ne!(out.status, 0);
+        assert!(out.stderr.contains(&format!("STRATA_RING_WAVES: invalid value '{bad}': expected the most passes")), "{}", out.stderr);
+    }
 }
 
 #[test]
