@@ -164,7 +164,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // computes its share from half (h + k) % 2 while the next share is copied into the other.
     if prompt && lt.ring_preferred(n_tok) {
         let passes = lt.ring_passes();
-        let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.n_cold > passes * r.half);
+        let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.cold_used_at_most(n_tok) > passes * r.half);
         let mut srcs = vec![sel];
         srcs.extend(host_cold_weight(lt));
         let fill = if overflow { ring::fill_only } else { ring::fill };

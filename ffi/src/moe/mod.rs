@@ -342,8 +342,10 @@ impl LayerTiers {
     /// Whether a prompt batch of `n_tok` tokens takes the prefill ring: the layer has a window
     /// and the cost model (copy rate, CPU rate, measured at start-up) finds copying the
     /// expected distinct cold experts quicker than computing the cold pairs on the CPU.
-    /// Also sets the passes the batch's graph takes through the ring: enough for the expected
-    /// distinct cold experts with a margin, at most the configured number.
+    /// Also sets the passes the batch's graph takes through the ring: enough for every cold
+    /// expert the batch could use when the configured number allows (then the graph needs no CPU
+    /// part, whose hand-off of the batch's hidden state costs even when it has nothing to do),
+    /// else enough for the expected distinct cold experts with a margin.
     pub(crate) fn ring_preferred(&self, n_tok: i64) -> bool {
         let Some((ring, i)) = self.ring.as_ref().filter(|_| self.window.is_some()) else { return false };
         let (on, distinct) = self.ring_cheaper(ring, n_tok);
@@ -351,10 +353,20 @@ impl LayerTiers {
         let passes = if self.ring_other.is_none() || ring.half == 0 {
             1
         } else {
-            ((distinct * PASS_MARGIN / ring.half as f64).ceil() as usize).clamp(1, self.max_passes)
+            let worst = self.cold_used_at_most(n_tok).div_ceil(ring.half).max(1);
+            if worst <= self.max_passes {
+                worst
+            } else {
+                ((distinct * PASS_MARGIN / ring.half as f64).ceil() as usize).clamp(1, self.max_passes)
+            }
         };
         self.passes.store(passes, Ordering::Relaxed);
         on
+    }
+
+    /// The most distinct cold experts a batch of `n_tok` tokens can select.
+    pub(crate) fn cold_used_at_most(&self, n_tok: i64) -> usize {
+        self.n_cold.min(self.n_used * usize::try_from(n_tok).unwrap_or(0))
     }
 
     /// The tensors pass `k` through the ring computes from: the window (its own half) for even
