@@ -17,7 +17,7 @@ use strata_residency::plan;
 use strata_residency::profile::Profile;
 
 use crate::cli::flags::{CacheSize, StrataArgs};
-use crate::engine::metrics::{strata_line, strata_lines};
+use crate::engine::metrics::{strata_family, strata_line, strata_lines};
 
 /// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
 /// GPU library's workspaces may grow past what the context reserved.
@@ -371,10 +371,7 @@ impl Residency {
         let st = self;
         let mut out = String::new();
         let mut family = |name: &str, kind: &str, help: &str, vals: [u64; 3]| {
-            out += &format!("# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\n");
-            for t in Tier::ALL {
-                out += &format!("strata:{name}{{tier=\"{}\"}} {}\n", t.name(), vals[t as usize]);
-            }
+            strata_family(&mut out, name, kind, help, "tier", Tier::ALL.iter().map(|&t| (t.name(), vals[t as usize])));
         };
         family("experts_resident", "gauge", "Experts placed in each tier", st.placement.experts);
         family("expert_bytes_resident", "gauge", "Bytes of the experts placed in each tier", st.placement.bytes);

@@ -13,6 +13,8 @@ use strata_ffi::gemm::{self, FALLBACKS, PATHS};
 use strata_ffi::Verbosity;
 use strata_residency::gemm::{Device, GemmTableError, Table};
 
+use crate::engine::metrics::strata_family;
+
 /// The variables, as read at start-up.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GemmConfig {
@@ -96,16 +98,11 @@ pub fn start(cfg: &GemmConfig, main_gpu: usize) -> Vec<(Verbosity, String)> {
 /// The `strata:gemm_*` lines for /metrics; empty unless the dispatch is installed.
 pub fn metrics_text() -> String {
     let Some((paths, fallbacks)) = gemm::counters() else { return String::new() };
-    let mut out = String::from(
-        "# HELP strata:gemm_matmuls_total Dense matmuls dispatched by path (a replayed CUDA graph dispatches nothing)\n# TYPE strata:gemm_matmuls_total counter\n",
-    );
-    for (name, v) in PATHS.iter().zip(paths) {
-        out += &format!("strata:gemm_matmuls_total{{path=\"{name}\"}} {v}\n");
-    }
-    out += "# HELP strata:gemm_fallbacks_total Prompt-sized dense matmuls that took the default path, by reason\n# TYPE strata:gemm_fallbacks_total counter\n";
-    for (name, v) in FALLBACKS.iter().zip(fallbacks) {
-        out += &format!("strata:gemm_fallbacks_total{{reason=\"{name}\"}} {v}\n");
-    }
+    let mut out = String::new();
+    let paths_help = "Dense matmuls dispatched by path (a replayed CUDA graph dispatches nothing)";
+    strata_family(&mut out, "gemm_matmuls_total", "counter", paths_help, "path", PATHS.iter().copied().zip(paths));
+    let fallbacks_help = "Prompt-sized dense matmuls that took the default path, by reason";
+    strata_family(&mut out, "gemm_fallbacks_total", "counter", fallbacks_help, "reason", FALLBACKS.iter().copied().zip(fallbacks));
     out
 }
 

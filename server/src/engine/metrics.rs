@@ -74,6 +74,14 @@ pub fn strata_line(out: &mut String, name: &str, kind: &str, help: &str, v: u64)
     let _ = write!(out, "# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\nstrata:{name} {v}\n");
 }
 
+/// A `strata:<name>` family with one sample per `label` value: (value of the label, sample).
+pub fn strata_family<'a>(out: &mut String, name: &str, kind: &str, help: &str, label: &str, samples: impl IntoIterator<Item = (&'a str, u64)>) {
+    let _ = write!(out, "# HELP strata:{name} {help}\n# TYPE strata:{name} {kind}\n");
+    for (l, v) in samples {
+        let _ = writeln!(out, "strata:{name}{{{label}=\"{l}\"}} {v}");
+    }
+}
+
 /// Several `strata:*` lines: (name, kind, help, value) each.
 pub fn strata_lines(out: &mut String, lines: &[(&str, &str, &str, u64)]) {
     for &(name, kind, help, v) in lines {
