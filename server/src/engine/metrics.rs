@@ -178,6 +178,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_labelled_family_has_one_help_and_type_then_a_sample_per_label() {
+        let mut out = String::new();
+        strata_family(&mut out, "gemm_matmuls_total", "counter", "Dense matmuls by path", "path", [("default", 7), ("mmq", 0)]);
+        assert_eq!(
+            out,
+            "# HELP strata:gemm_matmuls_total Dense matmuls by path\n# TYPE strata:gemm_matmuls_total counter\n\
+             strata:gemm_matmuls_total{path=\"default\"} 7\nstrata:gemm_matmuls_total{path=\"mmq\"} 0\n"
+        );
+    }
+
+    #[test]
     fn numbers_print_like_iostream() {
         assert_eq!(g(0.0), "0");
         assert_eq!(g(5.0), "5");
