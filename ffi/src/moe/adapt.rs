@@ -227,6 +227,7 @@ impl State {
 
     fn run(&mut self, max: usize) {
         let mut settled = Vec::new();
+        let mut touched: Vec<&Arc<LayerTiers>> = Vec::new();
         for _ in 0..max {
             let Some(sw) = self.pending.pop_front() else { break };
             let Some(lt) = self.layers.iter().find(|lt| lt.layer == sw.layer) else { continue };
@@ -239,14 +240,21 @@ impl State {
             if let Some(bytes) = exchange(lt, &sw, &self.staging) {
                 self.counters.swaps += 1;
                 self.counters.bytes += bytes;
+                if !touched.iter().any(|t| Arc::ptr_eq(t, lt)) {
+                    touched.push(lt);
+                }
             }
+        }
+        // Each changed layer's maps once, after all of its swaps: no graph runs in between.
+        for lt in touched {
+            publish(lt);
         }
     }
 }
 
-/// Exchanges hot slot `sw.slot` (expert `sw.out`) with the RAM copy's row of `sw.into`, then
-/// rewrites the layer's maps. Returns the bytes moved, or None when the layer no longer matches
-/// the plan (nothing changed then).
+/// Exchanges hot slot `sw.slot` (expert `sw.out`) with the RAM copy's row of `sw.into` and
+/// records where both now are; [`publish`] then rewrites the layer's maps. Returns the bytes
+/// moved, or None when the layer no longer matches the plan (nothing changed then).
 fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf) -> Option<u64> {
     let hot = lt.hot.as_ref()?;
     let (out, into) = (sw.out as usize, sw.into as usize);
@@ -275,6 +283,14 @@ fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf) -> Option<u64> {
     hot_slots[into] = sw.slot as i32;
     lt.cold_rows[into].store(-1, Ordering::Relaxed);
     lt.cold_rows[out].store(row as i32, Ordering::Relaxed);
+    Some(bytes)
+}
+
+/// Writes a layer's maps from its record of where each expert is: the per-position hot map, the
+/// prompt path's copy map, zero-copy decode's skip maps, the prefill ring's record.
+fn publish(lt: &LayerTiers) {
+    let Some(hot) = lt.hot.as_ref() else { return };
+    let hot_slots = lt.hot_slots.lock().unwrap_or_else(|e| e.into_inner());
     let cold_rows: Vec<i32> = lt.cold_rows.iter().map(|r| r.load(Ordering::Relaxed)).collect();
     set_map(hot.map, &hot_map_of(&hot_slots, lt.n_hot, lt.n_used));
     if let Some(m) = lt.cold_map {
@@ -289,5 +305,4 @@ fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf) -> Option<u64> {
     if let Some((ring, i)) = lt.ring.as_ref() {
         ring.reassign(*i, cold_rows, hot_slots.clone());
     }
-    Some(bytes)
 }
