@@ -652,7 +652,8 @@ impl Ring {
         let waves = rl.waves.lock().unwrap_or_else(|e| e.into_inner());
         let chunk: &[i32] = waves.chunks.get(k).map_or(&[], Vec::as_slice);
         let wait_at = Instant::now();
-        let (placed, bytes, copy_at) = self.place_now(&mut st, rl, i, hk, chunk, k % 2 == 1)?;
+        // An empty pass leaves the half alone: it may hold another layer's prefetch.
+        let (placed, bytes, copy_at) = if chunk.is_empty() { (Placed::default(), 0, wait_at) } else { self.place_now(&mut st, rl, i, hk, chunk, k % 2 == 1)? };
         let copied_at = Instant::now();
         if k > 0 && !chunk.is_empty() {
             self.stats.waves.fetch_add(1, Ordering::Relaxed);
@@ -1023,6 +1024,75 @@ mod tests {
         assert_eq!((q.hits, q.copies.len()), (0, 1));
         // The next batch's pass 0 of layer 0 finds half 0 as pass 2 left it.
         assert_eq!(s.place(0, 0, &[10, 14]).expect("fits").hits, 2);
+    }
+
+    /// An emulated ring of 2 slots a half over one layer of 8 one-word experts (0 and 1 hot in
+    /// slots 0 and 1, pads in 2 and 3, the ring from slot 4), with the cold experts' words in a
+    /// host "RAM copy": the experts' values say which expert a slot holds.
+    struct Bench {
+        ring: Arc<Ring>,
+        own: Vec<u32>,
+        other: Vec<u32>,
+        _ram: Vec<u32>,
+    }
+
+    fn bench() -> Bench {
+        let ram: Vec<u32> = (2..8).map(|e| 100 + e).collect();
+        let (mut own, mut other) = (vec![0u32; 2], vec![0u32; 2]);
+        let ring = Ring::new_emulated(2, true, None);
+        let cold_rows = vec![-1, -1, 0, 1, 2, 3, 4, 5];
+        let hot_slots = vec![0, 1, -1, -1, -1, -1, -1, -1];
+        let dst = [vec![own.as_mut_ptr() as usize], vec![other.as_mut_ptr() as usize]];
+        ring.register(RingLayer::new(4, vec![(ram.as_ptr() as usize, 4)], dst, cold_rows, hot_slots, Arc::new(Tally::new(8)), 2));
+        ring.start(None, 4).expect("copier");
+        Bench { ring, own, other, _ram: ram }
+    }
+
+    /// 4 tokens of 2 selections: cold 2 twice, then 3, 4, 5, 6, 7 once; hot 0 once.
+    const SEL: [i32; 8] = [2, 3, 4, 5, 6, 0, 2, 7];
+
+    #[test]
+    fn a_layer_in_waves_computes_each_chunk_from_alternate_halves() {
+        let b = bench();
+        let mut out = [0i32; 8];
+        let (_, skips) = b.ring.fill(0, 0, 3, &SEL, &mut out).expect("pass 0");
+        assert!(skips);
+        // 2 and 3 (most selected first) in the layer's own half, the rest -1, hot 0 in its slot.
+        let own = |e: i32| 4 + b.own.iter().position(|&v| v == 100 + e as u32).expect("in the own half") as i32;
+        assert_eq!(out, [own(2), own(3), -1, -1, -1, 0, own(2), -1]);
+        let (_, skips) = b.ring.fill(0, 1, 3, &SEL, &mut out).expect("pass 1");
+        assert!(skips);
+        // 4 and 5 were copied into the other half while pass 0 computed; its tensors start at 0.
+        let other = |e: i32| b.other.iter().position(|&v| v == 100 + e as u32).expect("in the other half") as i32;
+        assert_eq!(out, [-1, -1, other(4), other(5), -1, -1, -1, -1]);
+        b.ring.fill(0, 2, 3, &SEL, &mut out).expect("pass 2");
+        assert_eq!(out, [-1, -1, -1, -1, own(6), -1, -1, own(7)], "the own half again, 6 and 7 in 2 and 3's slots");
+        assert_eq!(b.ring.stats.waves.load(Ordering::Relaxed), 2);
+        assert_eq!(b.ring.stats.fills.load(Ordering::Relaxed), 6, "each used cold expert copied once");
+        // A pass with nothing to do writes -1 everywhere and leaves the halves as they were, here
+        // the next layer's prefetch in the other half.
+        b.ring.state.lock().unwrap().slots.prefetch(1, 1, &[5, 6]);
+        let before = format!("{:?}", b.ring.state.lock().unwrap().slots);
+        b.ring.fill(0, 3, 4, &SEL, &mut out).expect("empty pass");
+        assert_eq!(out, [-1; 8]);
+        assert_eq!(format!("{:?}", b.ring.state.lock().unwrap().slots), before);
+    }
+
+    #[test]
+    fn what_the_passes_cannot_take_goes_to_the_pads() {
+        let b = bench();
+        let mut out = [0i32; 8];
+        let (_, skips) = b.ring.fill(0, 0, 1, &SEL, &mut out).expect("one pass");
+        assert!(!skips, "one pass: no -1, the CPU computes the pads' selections");
+        // Pads 2 and 3 by routing position (selection index modulo 2).
+        assert_eq!(&out[2..5], &[2, 3, 2]);
+        assert_eq!(out[7], 3);
+        assert_eq!(b.ring.stats.waves.load(Ordering::Relaxed), 0);
+        // The same batch again: 2 and 3 are still in the half (hits, nothing copied).
+        let fills = b.ring.stats.fills.load(Ordering::Relaxed);
+        b.ring.fill(0, 0, 1, &SEL, &mut out).expect("again");
+        assert_eq!(b.ring.stats.fills.load(Ordering::Relaxed), fills);
+        assert_eq!(b.ring.stats.hits.load(Ordering::Relaxed), 2);
     }
 
     #[test]
