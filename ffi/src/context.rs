@@ -100,7 +100,11 @@ impl<'m> Context<'m> {
         let ctx = self.ptr.as_ptr();
         // SAFETY: valid context.
         crate::moe::adapt::after_batch(self.model.as_ptr() as usize, &mut || unsafe { sys::llama_synchronize(ctx) });
-        DecodeError::check(rc)
+        DecodeError::check(rc)?;
+        match crate::ple::take_failure(self.model.as_ptr()) {
+            Some(e) => Err(DecodeError::Io(e)),
+            None => Ok(()),
+        }
     }
 
     /// Only this context's model: another context (a draft model's) may decode while this one's

@@ -29,7 +29,7 @@ pub enum FfiError {
 }
 
 /// `llama_decode`'s return codes.
-#[derive(Debug, Error, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("could not find a KV slot for the batch")]
     NoKvCacheSlot,
@@ -39,6 +39,9 @@ pub enum DecodeError {
     InvalidBatch,
     #[error("fatal decode error {0}")]
     Fatal(i32),
+    /// Rows a batch needed could not be read from the model file (its output is unusable).
+    #[error("{0}")]
+    Io(String),
 }
 
 impl DecodeError {

@@ -66,11 +66,18 @@ struct Counters {
     prefetch_used: AtomicU64,
     successor_prefetched: AtomicU64,
     successor_used: AtomicU64,
+    /// Batches whose rows could be read neither by the pool nor by a buffered retry.
+    failures: AtomicU64,
 }
 
 struct Provider {
     table: PleTable,
     pool: ReadPool,
+    /// The model file opened for buffered reads: a batch whose direct reads failed tries once more
+    /// through it before giving up.
+    retry: std::fs::File,
+    /// Why the last batch's rows could not be read, until the context that decoded it asks.
+    failure: Mutex<Option<String>>,
     cache: Mutex<RowCache>,
     counters: Counters,
     /// The table has a row per token (gemma4), so a prompt's rows are known before its batches.
@@ -118,6 +125,7 @@ pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
         return Err("Strata's hooks are not installed in llama.cpp (install_hooks before loading the model)".into());
     }
     let pool = ReadPool::open(path, cfg.threads, true).map_err(|e| format!("{}: cannot start the PLE readers: {e}", path.display()))?;
+    let retry = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let setup = PleSetup { table_bytes: table.bytes(), row_bytes: table.row_bytes, n_rows: table.n_rows, threads: pool.threads(), direct: pool.direct() };
     let arch = info.get("general.architecture").and_then(|v| v.as_str()).unwrap_or_default();
     let hash = match arch {
@@ -127,6 +135,8 @@ pub fn enable(path: &Path, cfg: PleConfig) -> Result<PleSetup, String> {
     let provider = Arc::new(Provider {
         table,
         pool,
+        retry,
+        failure: Mutex::new(None),
         cache: Mutex::new(RowCache::new(cfg.cache_bytes)),
         counters: Counters::default(),
         rows_are_tokens: matches!(arch, "gemma4" | "gemma3n"),
@@ -221,14 +231,39 @@ pub(crate) fn fill(args: &PleRows<'_>) -> bool {
     if args.row_bytes() as u64 != p.table.row_bytes || !matches(&p, args.table()) {
         return false;
     }
-    match read_rows(&p, args.rows(), args.dst()) {
-        Ok(()) => true,
-        Err(e) => {
-            p.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-            crate::log(Verbosity::Error, &format!("srv     ple_rows: {e}; these rows are read through the mapping instead\n"));
-            false
+    let dst = args.dst();
+    let Err(e) = read_rows(&p, args.rows(), dst) else { return true };
+    // Never through the mapping: after an I/O error or with the file cut short underneath, a
+    // page fault there would kill the server (SIGBUS). One buffered retry, else the batch fails.
+    p.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
+    match read_rows_buffered(&p, args.rows(), dst) {
+        Ok(()) => crate::log(Verbosity::Warn, &format!("srv     ple_rows: {e}; read again without direct I/O\n")),
+        Err(e2) => {
+            dst.fill(0);
+            p.counters.failures.fetch_add(1, Ordering::Relaxed);
+            let msg = format!("could not read the model's per-layer embedding rows: {e2}");
+            crate::log(Verbosity::Error, &format!("srv     ple_rows: {e}; retry: {msg}\n"));
+            *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
         }
     }
+    true
+}
+
+/// Why a batch that `model`'s context just decoded had no rows, if so (cleared by asking): its
+/// output is wrong and the batch must fail.
+pub(crate) fn take_failure(model: *const sys::llama_model) -> Option<String> {
+    bound(model)?.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+}
+
+/// Reads `rows` into `dst` one by one with buffered preads.
+fn read_rows_buffered(p: &Provider, rows: &[i32], dst: &mut [u8]) -> Result<(), String> {
+    use std::os::unix::fs::FileExt;
+    let rb = p.table.row_bytes as usize;
+    for (out, &r) in dst.chunks_exact_mut(rb).zip(rows) {
+        let (offset, _) = u32::try_from(r).ok().and_then(|r| p.table.row(r)).ok_or_else(|| format!("row {r} is past the table"))?;
+        p.retry.read_exact_at(out, offset).map_err(|e| format!("row {r} at byte {offset}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Writes `rows` into `dst` (row_bytes each, in order) from the cache and the readers.
@@ -457,7 +492,10 @@ pub struct PleStats {
     pub successor_prefetched: u64,
     pub successor_used: u64,
     pub cache_bytes: u64,
+    /// Batches whose direct reads failed and were retried with buffered reads.
     pub fallbacks: u64,
+    /// Batches whose rows could not be read at all (the batch failed).
+    pub failures: u64,
     pub reads: u64,
     pub bytes_read: u64,
     pub queued: u64,
@@ -483,6 +521,7 @@ pub fn stats() -> Option<PleStats> {
         s.successor_prefetched += p.counters.successor_prefetched.load(Ordering::Relaxed);
         s.successor_used += p.counters.successor_used.load(Ordering::Relaxed);
         s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
+        s.failures += p.counters.failures.load(Ordering::Relaxed);
         s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
         s.reads += io.reads.load(Ordering::Relaxed);
         s.bytes_read += io.bytes.load(Ordering::Relaxed);

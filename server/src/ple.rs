@@ -44,7 +44,8 @@ pub fn metrics_text(s: Option<PleStats>) -> String {
             ("ple_reads_total", "counter", "PLE row reads from the model file", s.reads),
             ("ple_read_bytes_total", "counter", read_bytes_help, s.bytes_read),
             ("ple_read_queue", "gauge", "PLE row reads queued or in flight", s.queued),
-            ("ple_fallbacks_total", "counter", "Batches whose PLE rows were read through the mapping after a failed read", s.fallbacks),
+            ("ple_fallbacks_total", "counter", "Batches whose PLE rows were read again with buffered reads after a failed direct read", s.fallbacks),
+            ("ple_read_failures_total", "counter", "Batches that failed because their PLE rows could not be read", s.failures),
         ],
     );
     out += "# HELP strata:ple_read_seconds PLE row read latency\n# TYPE strata:ple_read_seconds histogram\n";

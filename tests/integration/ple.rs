@@ -138,3 +138,42 @@ fn bad_ple_inputs_get_clear_errors() {
     assert_ne!(out.status, 0);
     assert!(out.stderr.contains("truncated"), "{}", out.stderr);
 }
+
+/// The model file cut short under a running server (a download replacing it, a failing disk):
+/// the rows a batch needs can be read neither directly nor by the buffered retry, so that
+/// request fails with llama-server's compute-error shape (never a read through the mapping,
+/// which would kill the process), the server goes on serving, and once the file is whole again
+/// the same request gives the same output.
+#[test]
+fn rows_that_cannot_be_read_fail_the_request_and_the_server_goes_on() {
+    let dir = tmp("cut-live");
+    let path = dir.join("model.gguf");
+    let src = std::fs::read(model(MODEL)).unwrap();
+    std::fs::write(&path, &src).unwrap();
+    let info = strata_residency::gguf::parse_header(&src, src.len() as u64).unwrap();
+    let table = strata_residency::ple::PleTable::find(&info).unwrap().unwrap();
+    // --load-mode none: every other tensor is read into RAM, the lazy table alone stays in the file; no row
+    // cache, so every batch reads its rows.
+    let args = ["-m", path.to_str().unwrap(), "-c", "512", "-np", "1", "--metrics", "--load-mode", "none", "--ple-mode", "ssd", "--ple-cache-mib", "0"];
+    let s = Server::start(&args, &[]);
+    let req = json!({"prompt": "The lighthouse keeper counted the ships", "n_predict": 8, "temperature": 0.0, "return_tokens": true, "cache_prompt": false});
+    let (status, whole) = s.post("/completion", &req);
+    assert_eq!(status, 200, "{whole}");
+
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(table.offset + table.row_bytes).unwrap();
+    let (status, body) = s.post("/completion", &req);
+    assert_eq!(status, 500, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.starts_with("Compute error: could not read the model's per-layer embedding rows"), "{body}");
+    assert_eq!(body["error"]["type"], "server_error", "{body}");
+    let health = ureq::get(&format!("{}/health", s.base)).call().unwrap();
+    assert_eq!(health.status(), 200);
+    let metrics = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    assert!(metric(&metrics, "ple_read_failures_total") >= 1 && metric(&metrics, "ple_fallbacks_total") >= 1, "{metrics}");
+
+    std::fs::write(&path, &src).unwrap();
+    let (status, again) = s.post("/completion", &req);
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["tokens"], whole["tokens"], "the same tokens once the file is whole again");
+}

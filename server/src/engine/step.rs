@@ -290,11 +290,16 @@ impl<'m> Engine<'m> {
         if let Some(r) = self.shared.residency.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             r.after_step();
         }
+        let io_msg;
         let msg = match res {
             Err(DecodeError::NoKvCacheSlot) => "Context size has been exceeded.",
             Err(DecodeError::InvalidBatch) => "Invalid input batch.",
             Err(DecodeError::Aborted) => "Decoding was aborted.",
             Err(DecodeError::Fatal(_)) => "Compute error.",
+            Err(DecodeError::Io(e)) => {
+                io_msg = format!("Compute error: {e}.");
+                &io_msg
+            }
             // The draft model (or MTP head) sees every target batch, prompts included.
             Ok(()) => match self.spec.as_mut().map(|spec| spec.process(&mut self.ctx, &self.batch)) {
                 None | Some(Ok(())) => return true,
