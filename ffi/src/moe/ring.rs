@@ -688,10 +688,11 @@ impl Ring {
         // The next pass's chunk goes into the other half while this pass computes.
         if let Some(next) = waves.chunks.get(k + 1) {
             self.place_ahead(&mut st, rl, i, (hk + 1) % 2, next, (k + 1) % 2 == 1);
-        } else if k + 1 >= waves.chunks.len() {
-            // Prefetch the next layer that this graph runs through the ring into its half, unless
-            // that half is this pass's (an odd count wrapping, a pass in the other half, or a
-            // layer between that computes its cold experts elsewhere).
+        } else if k + 1 == waves.chunks.len().max(1) {
+            // After the last pass with experts (once): prefetch the next layer that this graph
+            // runs through the ring into its half, unless that half is this pass's (an odd count
+            // wrapping, a pass in the other half, or a layer between that computes its cold
+            // experts elsewhere).
             let next = (1..=n).map(|d| (i + d) % n).find(|&j| layers[j].active.load(Ordering::Relaxed));
             if let Some(j) = next.filter(|&j| j != i && j % 2 != hk) {
                 let draws = sel.len() as f64;
@@ -702,6 +703,11 @@ impl Ring {
                     _ => None,
                 };
                 let likely = layers[j].likely_cold(draws, budget);
+                if let Some(p) = st.pending[j % 2].take() {
+                    if !p.wait().0 {
+                        st.slots.invalidate(j % 2);
+                    }
+                }
                 let copies = st.slots.prefetch(j % 2, j, &likely);
                 let pieces = self.pieces(&layers[j], &copies, false);
                 let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
@@ -1076,6 +1082,40 @@ mod tests {
         b.ring.fill(0, 3, 4, &SEL, &mut out).expect("empty pass");
         assert_eq!(out, [-1; 8]);
         assert_eq!(format!("{:?}", b.ring.state.lock().unwrap().slots), before);
+    }
+
+    #[test]
+    fn the_next_layer_is_prefetched_once_after_the_last_pass_with_experts() {
+        let b = bench();
+        let mut next = vec![0u32; 2];
+        let dst = [vec![next.as_mut_ptr() as usize], vec![]];
+        let rl = RingLayer::new(
+            4,
+            vec![(b._ram.as_ptr() as usize, 4)],
+            dst,
+            vec![-1, -1, 0, 1, 2, 3, 4, 5],
+            vec![0, 1, -1, -1, -1, -1, -1, -1],
+            Arc::new(Tally::new(8)),
+            2,
+        );
+        assert_eq!(b.ring.register(rl), 1);
+        b.ring.set_active(0, true);
+        b.ring.set_active(1, true);
+        // Layer 0 uses only 2 and 3: one chunk of the graph's three passes.
+        let sel = [2, 3, 0, 1, 2, 3, 0, 1];
+        let mut out = [0i32; 8];
+        b.ring.fill(0, 0, 3, &sel, &mut out).expect("pass 0");
+        let job = |r: &Ring| r.state.lock().unwrap().pending[1].clone();
+        let prefetch = job(&b.ring).expect("layer 1's prefetch into its half after the only pass with experts");
+        b.ring.fill(0, 1, 3, &sel, &mut out).expect("empty pass 1");
+        b.ring.fill(0, 2, 3, &sel, &mut out).expect("empty pass 2");
+        let now = job(&b.ring).expect("still pending");
+        assert!(Arc::ptr_eq(&now, &prefetch), "the empty passes neither repeat nor replace the prefetch in flight");
+        b.ring.fill(1, 0, 1, &sel, &mut out).expect("layer 1");
+        assert_eq!(b.ring.stats.hits.load(Ordering::Relaxed), 2, "layer 1 finds 2 and 3 prefetched");
+        let mut landed = next.clone();
+        landed.sort_unstable();
+        assert_eq!(landed, [102, 103], "the prefetch copied them into layer 1's window");
     }
 
     #[test]
