@@ -26,6 +26,32 @@ pub fn ranking(layout: &ExpertLayout, profile: Option<&Profile>) -> Vec<(u32, u3
     (0..layout.n_expert).flat_map(|e| layout.layers.iter().map(move |l| (l.layer, e))).collect()
 }
 
+/// `ranking` with each layer's first `floor` entries moved to the front (keeping their order),
+/// so a hot tier filled from it holds at least `floor` experts of every layer the budget
+/// reaches. Run-time adaptation exchanges experts within a layer, so a layer the profile left
+/// without hot slots could never gain any.
+pub fn with_floor(ranking: &[(u32, u32)], floor: usize) -> Vec<(u32, u32)> {
+    let mut taken: std::collections::HashMap<u32, usize> = std::collections::HashMap::new();
+    let (mut head, mut tail) = (Vec::new(), Vec::new());
+    for &(layer, expert) in ranking {
+        let n = taken.entry(layer).or_default();
+        if *n < floor {
+            *n += 1;
+            head.push((layer, expert));
+        } else {
+            tail.push((layer, expert));
+        }
+    }
+    head.extend(tail);
+    head
+}
+
+/// Per-layer floor for an adapting hot tier: half the per-layer average of `hot`.
+pub fn adapt_floor(hot: &Hot) -> usize {
+    let n: usize = hot.iter().map(|(_, h)| h.len()).sum();
+    n / hot.len().max(1) / 2
+}
+
 /// Hot experts per layer: the ranking's head within `budget` bytes and `max` experts. The
 /// first hot expert of a layer also pays for the layer's `pads_per_layer` zero pad (and
 /// staging) experts.
@@ -173,6 +199,22 @@ pub fn batch_prefers_ring(cost: &CostModel, draws: f64, cold_share: f64, cold_p:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_floor_gives_every_layer_its_share_before_the_rest_of_the_ranking() {
+        // The profile ranks layers 0 and 1 far above layer 2.
+        let ranking = vec![(0, 5), (1, 3), (0, 1), (1, 0), (0, 2), (1, 7), (2, 4), (2, 6)];
+        let floored = with_floor(&ranking, 1);
+        assert_eq!(&floored[..3], &[(0, 5), (1, 3), (2, 4)], "each layer's best first, in ranking order");
+        assert_eq!(&floored[3..], &[(0, 1), (1, 0), (0, 2), (1, 7), (2, 6)], "then the rest as ranked");
+        assert_eq!(with_floor(&ranking, 0), ranking);
+        let lay = layout(3, 8);
+        let hot = choose(&lay, &floored, u64::MAX, 6, 0);
+        assert!(hot.iter().all(|(_, h)| !h.is_empty()), "{hot:?}");
+        let plain = choose(&lay, &ranking, u64::MAX, 6, 0);
+        assert!(plain[2].1.is_empty(), "without the floor layer 2 gets nothing: {plain:?}");
+        assert_eq!(adapt_floor(&plain), 1, "6 hot over 3 layers: half the average of 2");
+    }
     use crate::gguf::{ExpertLayer, ExpertMatrix, MatKind};
     use crate::profile::Entry;
 

@@ -234,8 +234,14 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             CacheSize::Auto => (0, 0),
         }
     };
-    let ranking = ranking(p);
+    let mut ranking = ranking(p);
     let mut hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
+    // Adaptation moves experts within a layer: a profile's placement gives every layer a floor.
+    let floor = if cfg.adapt_every > 0 && p.profile.is_some() { plan::adapt_floor(&hot) } else { 0 };
+    if hot.iter().any(|(_, h)| h.len() < floor) {
+        ranking = plan::with_floor(&ranking, floor);
+        hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
+    }
     let ring_half = ring_half(p, &ranking, budget, max, &mut hot);
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
@@ -318,7 +324,11 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
                 "experts: adapting {n} of {} tiered layers every {} batches from {}: at most {} swaps an interval, {} after each batch, through a {} staging buffer",
                 p.layout.layers.len(),
                 cfg.adapt_every,
-                if p.profile.is_some() { "the profile's placement" } else { "an even placement" },
+                match (p.profile.is_some(), floor) {
+                    (false, _) => "an even placement".to_string(),
+                    (true, 0) => "the profile's placement".to_string(),
+                    (true, f) => format!("the profile's placement with at least {f} per layer"),
+                },
                 policy.max_swaps,
                 moe::adapt::SWAPS_PER_BATCH,
                 if moe::has_gpu() { "page-locked" } else { "host" },
