@@ -140,7 +140,7 @@ pub struct Waves {
 pub fn plan_waves(used: &[i32], half: usize, passes: usize) -> Waves {
     let take = (half * passes.max(1)).min(used.len());
     let chunks = if half == 0 { Vec::new() } else { used[..take].chunks(half).map(<[i32]>::to_vec).collect() };
-    Waves { chunks, cpu: used[take.min(used.len())..].to_vec() }
+    Waves { chunks, cpu: used[take..].to_vec() }
 }
 
 pub use strata_residency::plan::CostModel;
@@ -344,6 +344,19 @@ struct State {
     last_at: Option<Instant>,
 }
 
+impl State {
+    /// Waits for the copies in flight into half `h`, forgetting what the half holds if they
+    /// failed. Returns whether they were still running (a stall).
+    fn drain(&mut self, h: usize) -> bool {
+        let Some(p) = self.pending[h].take() else { return false };
+        let (ok, stalled) = p.wait();
+        if !ok {
+            self.slots.invalidate(h);
+        }
+        stalled
+    }
+}
+
 // SAFETY: the raw handles are only used under the ring's own synchronisation (creation, drop).
 unsafe impl Send for Ring {}
 // SAFETY: as above; shared state is behind mutexes and atomics.
@@ -473,11 +486,7 @@ impl Ring {
     pub(crate) fn settle(&self) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         for h in 0..2 {
-            if let Some(p) = st.pending[h].take() {
-                if !p.wait().0 {
-                    st.slots.invalidate(h);
-                }
-            }
+            st.drain(h);
         }
     }
 
@@ -559,14 +568,8 @@ impl Ring {
     /// copying what is missing and waiting for it. Returns what was placed, the bytes copied and
     /// when the wait for the copies in flight ended; None if a copy failed.
     fn place_now(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) -> Option<(Placed, u64, Instant)> {
-        if let Some(p) = st.pending[h].take() {
-            let (ok, stalled) = p.wait();
-            if stalled {
-                self.stats.stalls.fetch_add(1, Ordering::Relaxed);
-            }
-            if !ok {
-                st.slots.invalidate(h);
-            }
+        if st.drain(h) {
+            self.stats.stalls.fetch_add(1, Ordering::Relaxed);
         }
         let waited = Instant::now();
         let placed = st.slots.place(h, i, chunk)?;
@@ -583,16 +586,19 @@ impl Ring {
     /// Starts copying `chunk` of ring layer `i` into half `h` (free: the pass that last used it
     /// has finished), to be waited for by the pass that computes it.
     fn place_ahead(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) {
-        if let Some(p) = st.pending[h].take() {
-            if !p.wait().0 {
-                st.slots.invalidate(h);
-            }
-        }
-        let Some(placed) = st.slots.place(h, i, chunk) else { return };
-        let pieces = self.pieces(rl, &placed.copies, other);
-        let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        st.drain(h);
         // Hits are counted when the pass runs.
-        self.account(st, bytes, 0, placed.copies.len());
+        if let Some(placed) = st.slots.place(h, i, chunk) {
+            self.copy_ahead(st, rl, &placed.copies, h, other);
+        }
+    }
+
+    /// Starts `copies` of ring layer `rl` into half `h` (after what was in flight there), for
+    /// the next fill of that half to wait for.
+    fn copy_ahead(&self, st: &mut State, rl: &RingLayer, copies: &[(i32, usize)], h: usize, other: bool) {
+        let pieces = self.pieces(rl, copies, other);
+        let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
+        self.account(st, bytes, 0, copies.len());
         st.pending[h] = Some(self.submit(pieces, h));
     }
 
@@ -703,16 +709,9 @@ impl Ring {
                     _ => None,
                 };
                 let likely = layers[j].likely_cold(draws, budget);
-                if let Some(p) = st.pending[j % 2].take() {
-                    if !p.wait().0 {
-                        st.slots.invalidate(j % 2);
-                    }
-                }
+                st.drain(j % 2);
                 let copies = st.slots.prefetch(j % 2, j, &likely);
-                let pieces = self.pieces(&layers[j], &copies, false);
-                let b: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-                self.account(&mut st, b, 0, copies.len());
-                st.pending[j % 2] = Some(self.submit(pieces, j % 2));
+                self.copy_ahead(&mut st, &layers[j], &copies, j % 2, false);
             }
         }
         self.stats.h2d_bytes_last_batch.store(st.batch_bytes, Ordering::Relaxed);
