@@ -10,6 +10,7 @@ requests, and bytes it read from storage (/proc/PID/io read_bytes) per prompt to
 generated token. Writes matrix.json and a Markdown table.
 
   tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
+                     [--server PATH] [-- more server arguments, e.g. -ngl 99]
 
 The prompt is token ids drawn over the vocabulary (seeded), so a batch needs about as many distinct
 rows as varied text would.
@@ -66,8 +67,8 @@ def prompt(n_tokens: int, seed: int) -> list[int]:
 def arm(model: Path, mode: str, args, env_extra: dict) -> dict:
     drop_file_cache(model)
     port = free_port()
-    cmd = [str(SERVER), "-m", str(model), "-c", str(args.prompt_tokens + args.predict + 64), "-np", "1", "--port", str(port), "-t", str(args.threads),
-           "-b", "512", "-ub", "512", "--ple-mode", mode]
+    cmd = [str(args.server), "-m", str(model), "-c", str(args.prompt_tokens + args.predict + 64), "-np", "1", "--port", str(port), "-t", str(args.threads),
+           "-b", "512", "-ub", "512", "--ple-mode", mode, *args.server_args]
     env = dict(os.environ, **env_extra)
     t0 = time.time()
     log = open(args.out / f"server-{mode}.log", "w")
@@ -111,14 +112,18 @@ def arm(model: Path, mode: str, args, env_extra: dict) -> dict:
 
 
 def main() -> int:
+    argv = sys.argv[1:]
+    own, server_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
+    ap.add_argument("--server", type=Path, default=SERVER)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--io-threads", default="8")
-    args = ap.parse_args()
+    args = ap.parse_args(own)
+    args.server_args = server_args
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode in ("ram", "mmap", "ssd"):
@@ -141,6 +146,7 @@ def main() -> int:
     size = args.model.stat().st_size
     meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
             "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads,
+            "server": str(args.server), "server_args": server_args,
             "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm"}
     (args.out / "matrix.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["| mode | run | prefill t/s | decode t/s | prefill / ram | decode / ram | read MiB | read B/token | RSS MiB | same text as ram |",
