@@ -10,13 +10,14 @@ Passes when, at every forced step, B's top-1 is A's token or trails it by at mos
 log-probabilities (a near-tie), and no shared top-5 log-probability differs by more than --tol.
 A token that ends inside a UTF-8 character has no probabilities (as in llama-server); such steps
 are unmeasured, and at least 75% of the steps must be measured.
-Writes DIR/parity.json, prints one line per arm and the verdict, exits 1 when it fails.
+Writes DIR/parity.json (and B's /metrics to DIR/metrics-b.txt where it serves them), prints one line per arm and the verdict, exits 1 when it fails.
 """
 import argparse
 import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from strata_tools import NotReady, free_port, post_json, stop, wait_healthy
@@ -151,6 +152,11 @@ def main() -> int:
         t0 = time.time()
         steps = forced(srv, prompt, a["tokens"])
         print(f"parity b forced along a: {len(steps)} steps in {time.time() - t0:.1f} s", flush=True)
+        try:
+            # B's counters (e.g. how many passes the prefill ring took), where it serves /metrics.
+            (out / "metrics-b.txt").write_bytes(urllib.request.urlopen(srv.url + "/metrics", timeout=10).read())
+        except OSError:
+            pass
     free = compare(a, b, args.tol)
     verdict = compare_forced(a, steps, args.tol)
     verdict["free_running"] = free
