@@ -253,7 +253,8 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     let dir = tmp("ring");
     let profile = record_profile(&dir);
     let root = guard_root(&dir, 64 << 20);
-    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "40")];
+    let env =
+        [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "40"), ("STRATA_RING_COPY_PACE_KIB", "8")];
     let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
     let s = Server::start(&args, &env);
     assert_same(&ref_long, &generate(&s, LONG), "ring from the RAM copy, long prompt");
@@ -265,8 +266,9 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     // ring, the rest go to the zero pads on the device and to the CPU (its own ops, or the worker
     // pool). Two passes (waves): a second half's worth through the other half, the rest on the
     // CPU. Four: every used cold expert through the ring, nothing on the CPU.
-    for (workers, waves) in [("0", "1"), ("2", "1"), ("0", "2"), ("2", "2"), ("0", "4")] {
-        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8"), ("STRATA_RING_WAVES", waves)];
+    // The copier paced (a run of 8 KiB, then a wait) in two of them.
+    for (workers, waves, pace) in [("0", "1", "0"), ("2", "1", "8"), ("0", "2", "0"), ("2", "2", "0"), ("0", "4", "8")] {
+        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8"), ("STRATA_RING_WAVES", waves), ("STRATA_RING_COPY_PACE_KIB", pace)];
         let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", workers], &env);
         let log = s.log.lock().unwrap().clone();
         assert!(log.contains("prefill ring: 8 slots in two halves") && log.contains("4 of 4 tiered layers windowed"), "{log}");
@@ -301,6 +303,9 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_PREFILL_RING", "many")]);
     assert_ne!(out.status, 0);
     assert!(out.stderr.contains("STRATA_PREFILL_RING: invalid value 'many'"), "{}", out.stderr);
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_COPY_PACE_KIB", "-1")]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("STRATA_RING_COPY_PACE_KIB: invalid value '-1'"), "{}", out.stderr);
     for bad in ["0", "9", "all"] {
         let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_WAVES", bad)]);
         assert_ne!(out.status, 0);

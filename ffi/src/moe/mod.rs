@@ -135,6 +135,9 @@ pub struct Switches {
     /// The most passes through the ring a layer's prompt batch may take (STRATA_RING_WAVES;
     /// None: 4 in the emulation, 1 on a device until the passes are measured there).
     pub ring_waves: Option<usize>,
+    /// The ring's copier issues at most this many bytes before it waits for them
+    /// (STRATA_RING_COPY_PACE_KIB; None: a job's copies at once).
+    pub ring_copy_pace: Option<usize>,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -943,7 +946,7 @@ fn start_ring(
         // SAFETY: the CPU device exists whenever the CPU backend is loaded.
         Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) })
     };
-    r.start(staging_buft, expert_bytes).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
+    r.start(staging_buft, expert_bytes, plan.switches.ring_copy_pace).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
     let cpu = entries.iter().find(|(_, lt)| lt.ring.is_some()).and_then(|(_, lt)| ring::measure_cpu(lt, 16));

@@ -510,8 +510,15 @@ impl Ring {
     }
 
     /// Starts the copier thread with a staging buffer for pageable sources (of `bytes_per_half`
-    /// per half, page-locked when `buft` is the device's host buffer type).
-    pub(crate) fn start(self: &Arc<Self>, staging_buft: Option<sys::ggml_backend_buffer_type_t>, expert_bytes: usize) -> Result<(), String> {
+    /// per half, page-locked when `buft` is the device's host buffer type). `pace`: at most
+    /// that many bytes in flight, each group waited for before the next is issued (None: a
+    /// job's copies all at once).
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        staging_buft: Option<sys::ggml_backend_buffer_type_t>,
+        expert_bytes: usize,
+        pace: Option<usize>,
+    ) -> Result<(), String> {
         let staging = match staging_buft.filter(|_| !self.pinned_src) {
             Some(buft) => {
                 let half_bytes = self.half * expert_bytes;
@@ -530,7 +537,7 @@ impl Ring {
         let copier = self.copier;
         std::thread::Builder::new()
             .name("strata-ring".into())
-            .spawn(move || copier_thread(copier, rx, staging))
+            .spawn(move || copier_thread(copier, rx, staging, pace))
             .map_err(|e| format!("the prefill ring's copier thread: {e}"))?;
         *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
         Ok(())
@@ -826,9 +833,29 @@ impl RingLayer {
     }
 }
 
-fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>) {
+/// Consecutive runs of `items` of at most `pace` bytes each (an item larger than that alone),
+/// or all of them as one run without a pace.
+fn paced<T>(items: &[T], bytes: impl Fn(&T) -> usize, pace: Option<usize>) -> Vec<&[T]> {
+    let Some(limit) = pace else { return vec![items] };
+    let mut runs = Vec::new();
+    let (mut start, mut sum) = (0, 0);
+    for (i, it) in items.iter().enumerate() {
+        if i > start && sum + bytes(it) > limit {
+            runs.push(&items[start..i]);
+            (start, sum) = (i, 0);
+        }
+        sum += bytes(it);
+    }
+    if start < items.len() {
+        runs.push(&items[start..]);
+    }
+    runs
+}
+
+fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>, pace: Option<usize>) {
     let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
     while let Ok(job) = rx.recv() {
+        // Paced, other host-to-device copies (a batch's ids) queue behind one run, not the whole job.
         let ok = match (&staging, job.staging) {
             (Some(st), Some(h)) => {
                 // Gather into staging half h (parallel reads of the pageable source), then copy.
@@ -853,9 +880,13 @@ fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Stagin
                         });
                     }
                 });
-                fits && staged.iter().all(|&(at, p)| copier.copy(p.dst as *mut u8, at as *const u8, p.bytes)) && copier.wait()
+                fits && paced(&staged, |s| s.1.bytes, pace)
+                    .into_iter()
+                    .all(|run| run.iter().all(|&(at, p)| copier.copy(p.dst as *mut u8, at as *const u8, p.bytes)) && copier.wait())
             }
-            _ => job.pieces.iter().all(|p| copier.copy(p.dst as *mut u8, p.src as *const u8, p.bytes)) && copier.wait(),
+            _ => paced(&job.pieces, |p| p.bytes, pace)
+                .into_iter()
+                .all(|run| run.iter().all(|p| copier.copy(p.dst as *mut u8, p.src as *const u8, p.bytes)) && copier.wait()),
         };
         job.done.set(ok);
     }
@@ -995,6 +1026,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn paced_runs_stay_within_the_pace_in_order() {
+        let sizes = [3usize, 3, 3, 10, 1, 1];
+        let runs = |pace| -> Vec<Vec<usize>> { paced(&sizes, |&b| b, pace).into_iter().map(<[usize]>::to_vec).collect() };
+        assert_eq!(runs(None), vec![sizes.to_vec()], "no pace: one run");
+        assert_eq!(runs(Some(6)), vec![vec![3, 3], vec![3], vec![10], vec![1, 1]], "a piece over the pace goes alone");
+        assert_eq!(runs(Some(100)), vec![sizes.to_vec()]);
+        assert!(paced::<usize>(&[], |&b| b, Some(4)).is_empty());
+    }
+
+    #[test]
     fn bounds_are_the_busiest_slot_and_one_past_the_largest() {
         assert_eq!(bounds(&[3, 0, 3, 7, 3, 0]), (3, 8));
         assert_eq!(bounds(&[5]), (1, 6));
@@ -1049,7 +1090,7 @@ mod tests {
         let hot_slots = vec![0, 1, -1, -1, -1, -1, -1, -1];
         let dst = [vec![own.as_mut_ptr() as usize], vec![other.as_mut_ptr() as usize]];
         ring.register(RingLayer::new(4, vec![(ram.as_ptr() as usize, 4)], dst, cold_rows, hot_slots, Arc::new(Tally::new(8)), 2));
-        ring.start(None, 4).expect("copier");
+        ring.start(None, 4, Some(1)).expect("copier");
         Bench { ring, own, other, _ram: ram }
     }
 

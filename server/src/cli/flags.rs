@@ -272,6 +272,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_RING_COPY_PACE_KIB",
+        help: "the prefill ring's copier issues at most N KiB of host-to-device copies before it waits for them, so that a batch's own small copies do not queue behind a whole prefetch (default 0: each job's copies at once)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_RING_TRACE",
         help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
         effect: Effect::Experts,
