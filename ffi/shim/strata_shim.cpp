@@ -839,8 +839,12 @@ strata_speculative * strata_speculative_init(strata_params * p, struct llama_con
         s->spec = common_speculative_init(params.speculative, n_seq);
         s->synth_rng.resize(n_seq);
         if (!s->spec) {
+            // As llama-server: no drafter for these settings serves without speculative decoding.
+            const bool synth = params.speculative.has_synth();
             delete s;
-            set_err(err, "speculative decoding: no drafter could be initialised from the given settings");
+            if (synth) {
+                set_err(err, "synthetic acceptance requires an initialized speculative decoding context");
+            }
             return nullptr;
         }
         return s;

@@ -18,12 +18,15 @@ pub struct Speculative {
 unsafe impl Send for Speculative {}
 
 impl Speculative {
-    pub fn new(params: &mut ServerParams, target: &mut Context<'_>, n_seq: u32) -> Result<Self> {
+    /// None when the settings give no drafter (llama-server then serves without one).
+    pub fn new(params: &mut ServerParams, target: &mut Context<'_>, n_seq: u32) -> Result<Option<Self>> {
         let ptr = call(|err| {
             // SAFETY: valid params and target context, which outlives the drafter in callers.
-            NonNull::new(unsafe { sys::strata_speculative_init(params.as_mut_ptr(), target.as_ptr(), n_seq, err) })
+            let p = unsafe { sys::strata_speculative_init(params.as_mut_ptr(), target.as_ptr(), n_seq, err) };
+            // SAFETY: err is the out-pointer the shim set or left NULL.
+            (!p.is_null() || unsafe { (*err).is_null() }).then_some(NonNull::new(p))
         })?;
-        Ok(Self { ptr })
+        Ok(ptr.map(|ptr| Self { ptr }))
     }
 
     pub fn begin(&mut self, seq: i32, prompt: &[Token]) -> Result<()> {

@@ -135,6 +135,14 @@ fn speculative_decoding_keeps_greedy_output() {
         let text: String = stream_text.iter().filter_map(|c| c["content"].as_str()).collect();
         assert_eq!(text, got["content"].as_str().unwrap(), "streamed speculative text");
     }
+
+    // A draft model with no --spec-type gives no drafter: llama-server loads it and serves
+    // without speculative decoding; so does strata-server.
+    let args = ["-m", m.to_str().unwrap(), "-c", "1024", "-np", "1", "-md", m.to_str().unwrap(), "--spec-draft-n-max", "3"];
+    let server = Server::start(&args, &[]);
+    let (_, got) = server.post("/completion", &req);
+    assert_eq!(got["tokens"], want["tokens"], "-md without --spec-type");
+    assert!(got["timings"].get("draft_n").is_none(), "{got}");
 }
 
 /// --cache-reuse: when a chunk is cut out of the middle of a cached prompt, the tail after it is

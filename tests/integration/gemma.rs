@@ -84,7 +84,7 @@ fn ngram_speculative_drafts_the_repetition() {
     let ParseOutcome::Parsed(mut params) = ServerParams::parse(&args, None).unwrap() else { panic!("flags rejected") };
     let m = Model::load(&gemma, &ModelParams::default()).unwrap();
     let mut ctx = Context::new(&m, ContextParams::default().with_n_ctx(512)).unwrap();
-    let mut spec = Speculative::new(&mut params, &mut ctx, 1).unwrap();
+    let mut spec = Speculative::new(&mut params, &mut ctx, 1).unwrap().expect("the settings give a drafter");
 
     let period: Vec<i32> = (1000..1020).collect();
     let history: Vec<i32> = period.iter().copied().cycle().take(period.len() * 6).collect();

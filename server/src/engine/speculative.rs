@@ -24,10 +24,11 @@ pub(super) fn new_speculative(cfg: &mut EngineConfig, ctx: &mut Context<'_>) -> 
     }
     let n_seq = cfg.n_parallel.max(1) as u32;
     match Speculative::new(&mut cfg.params, ctx, n_seq) {
-        Ok(s) => {
+        Ok(Some(s)) => {
             crate::log::srv(Verbosity::Trace, "load_model", "speculative decoding context initialized");
             Ok(Some(s))
         }
+        Ok(None) => Ok(None),
         Err(e) => Err(e.to_string()),
     }
 }
