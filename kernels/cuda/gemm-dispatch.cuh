@@ -9,9 +9,37 @@
 #include <mutex>
 #include <unordered_map>
 
-#if !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
+#if defined(GGML_USE_HIP) && defined(STRATA_USE_HIPBLASLT)
+#define STRATA_HAVE_BLASLT 1
+#include <hipblaslt/hipblaslt.h>
+// hipBLASLt mirrors cuBLASLt's calls; ggml's vendors/hip.h maps the enums and status codes.
+#define cublasLtHandle_t                     hipblasLtHandle_t
+#define cublasLtMatmulDesc_t                 hipblasLtMatmulDesc_t
+#define cublasLtMatrixLayout_t               hipblasLtMatrixLayout_t
+#define cublasLtMatmulPreference_t           hipblasLtMatmulPreference_t
+#define cublasLtMatmulHeuristicResult_t      hipblasLtMatmulHeuristicResult_t
+#define cublasLtCreate                       hipblasLtCreate
+#define cublasLtMatmulDescCreate             hipblasLtMatmulDescCreate
+#define cublasLtMatmulDescSetAttribute       hipblasLtMatmulDescSetAttribute
+#define cublasLtMatrixLayoutCreate           hipblasLtMatrixLayoutCreate
+#define cublasLtMatmulPreferenceCreate       hipblasLtMatmulPreferenceCreate
+#define cublasLtMatmulPreferenceSetAttribute hipblasLtMatmulPreferenceSetAttribute
+#define cublasLtMatmulPreferenceDestroy      hipblasLtMatmulPreferenceDestroy
+#define cublasLtMatmulAlgoGetHeuristic       hipblasLtMatmulAlgoGetHeuristic
+#define cublasLtMatmul                       hipblasLtMatmul
+#define CUBLASLT_MATMUL_DESC_TRANSA          HIPBLASLT_MATMUL_DESC_TRANSA
+#define CUBLASLT_MATMUL_DESC_TRANSB          HIPBLASLT_MATMUL_DESC_TRANSB
+#define CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES HIPBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
+// hipBLASLt takes hipDataType and hipblasComputeType_t, which vendors/hip.h maps only from HIP 6.5
+#define STRATA_LT_COMPUTE_32F HIPBLAS_COMPUTE_32F
+#define STRATA_LT_R_16F       HIP_R_16F
+#define STRATA_LT_R_32F       HIP_R_32F
+#elif !defined(GGML_USE_HIP) && !defined(GGML_USE_MUSA)
 #define STRATA_HAVE_BLASLT 1
 #include <cublasLt.h>
+#define STRATA_LT_COMPUTE_32F CUBLAS_COMPUTE_32F
+#define STRATA_LT_R_16F       CUDA_R_16F
+#define STRATA_LT_R_32F       CUDA_R_32F
 #endif
 
 // dst[m, n] = src0[k, m]^T src1[k, n]: ggml's rows of k elements; leading dimensions in elements.
@@ -110,24 +138,26 @@ static strata_blaslt_plan * strata_blaslt_plan_for(const strata_gemm_desc & d, u
         p = new strata_blaslt_plan();
         const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
         cublasLtMatmulPreference_t pref = nullptr;
-        bool ok = cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS
+        bool ok = cublasLtMatmulDescCreate(&p->op, STRATA_LT_COMPUTE_32F, STRATA_LT_R_32F) == CUBLAS_STATUS_SUCCESS
             && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS
             && cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS
-            && cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16F, d.k, d.m, d.k) == CUBLAS_STATUS_SUCCESS
-            && cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16F, d.k, d.n, d.k) == CUBLAS_STATUS_SUCCESS
-            && cublasLtMatrixLayoutCreate(&p->c, CUDA_R_32F, d.m, d.n, d.ldc) == CUBLAS_STATUS_SUCCESS
+            && cublasLtMatrixLayoutCreate(&p->a, STRATA_LT_R_16F, d.k, d.m, d.k) == CUBLAS_STATUS_SUCCESS
+            && cublasLtMatrixLayoutCreate(&p->b, STRATA_LT_R_16F, d.k, d.n, d.k) == CUBLAS_STATUS_SUCCESS
+            && cublasLtMatrixLayoutCreate(&p->c, STRATA_LT_R_32F, d.m, d.n, d.ldc) == CUBLAS_STATUS_SUCCESS
             && cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS;
         if (ok) {
-            const size_t ws = (size_t) workspace;
+            const uint64_t ws = workspace;
+            ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)) == CUBLAS_STATUS_SUCCESS;
+#ifndef GGML_USE_HIP
             // ggml's buffers and pool give 128-byte alignment; the heuristic assumes 256 unless told
             const uint32_t align = 128;
-            ok = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)) == CUBLAS_STATUS_SUCCESS
-                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
+            ok = ok && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
                 && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
                 && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
-                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS
-                && cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->a, p->b, p->c, p->c, pref, STRATA_GEMM_MAX_ALGOS, p->algos, &p->n_algos)
-                    == CUBLAS_STATUS_SUCCESS;
+                && cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align)) == CUBLAS_STATUS_SUCCESS;
+#endif
+            ok = ok && cublasLtMatmulAlgoGetHeuristic(lt, p->op, p->a, p->b, p->c, p->c, pref, STRATA_GEMM_MAX_ALGOS, p->algos, &p->n_algos)
+                == CUBLAS_STATUS_SUCCESS;
         }
         if (pref != nullptr) {
             cublasLtMatmulPreferenceDestroy(pref);
@@ -212,14 +242,29 @@ static bool ggml_backend_cuda_strata_gemm_device(int device, char * arch, char *
         return false;
     }
     int rt = 0;
+#if defined(GGML_USE_HIP)
+    (void) hipRuntimeGetVersion(&rt);
+#else
     (void) cudaRuntimeGetVersion(&rt);
+#endif
 #if defined(GGML_USE_HIP)
     snprintf(arch, len, "%s", prop.gcnArchName);
 #else
     snprintf(arch, len, "sm_%d%d", prop.major, prop.minor);
 #endif
     snprintf(runtime, len, "%d", rt);
-#ifdef STRATA_HAVE_BLASLT
+#if defined(STRATA_HAVE_BLASLT) && defined(GGML_USE_HIP)
+    // hipBLASLt tells its version through a handle
+    int lt_version = 0;
+    ggml_cuda_set_device(device);
+    std::lock_guard<std::mutex> lock(strata_blaslt_mutex);
+    hipblasLtHandle_t lt = strata_blaslt_handle(device);
+    if (lt != nullptr && hipblasLtGetVersion(lt, &lt_version) == HIPBLAS_STATUS_SUCCESS) {
+        snprintf(blaslt, len, "%d", lt_version);
+    } else {
+        snprintf(blaslt, len, "-");
+    }
+#elif defined(STRATA_HAVE_BLASLT)
     snprintf(blaslt, len, "%zu", cublasLtGetVersion());
 #else
     snprintf(blaslt, len, "-");
