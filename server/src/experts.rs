@@ -97,6 +97,13 @@ impl ExpertConfig {
                     },
                     _ => None,
                 },
+                ring_prefetch_min_p: match std::env::var("STRATA_RING_PREFETCH_MIN_P") {
+                    Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
+                        Ok(p) if (0.0..=1.0).contains(&p) => Some(p),
+                        _ => return Err(format!("STRATA_RING_PREFETCH_MIN_P: invalid value '{v}': expected the least chance of use, 0 to 1, for which the prefill ring prefetches a cold expert")),
+                    },
+                    _ => None,
+                },
                 cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
                     Err(_) | Ok("") => None,
                     Ok("cpu") => Some(moe::ColdDecode::Cpu),

@@ -266,13 +266,22 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     // ring, the rest go to the zero pads on the device and to the CPU (its own ops, or the worker
     // pool). Two passes (waves): a second half's worth through the other half, the rest on the
     // CPU. Four: every used cold expert through the ring, nothing on the CPU.
-    // The copier paced (a run of 8 KiB, then a wait) in two of them.
-    for (workers, waves, pace) in [("0", "1", "0"), ("2", "1", "8"), ("0", "2", "0"), ("2", "2", "0"), ("0", "4", "8")] {
-        let env = [("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "8"), ("STRATA_RING_WAVES", waves), ("STRATA_RING_COPY_PACE_KIB", pace)];
+    // The copier paced (a run of 8 KiB, then a wait) in two of them; in two, only cold experts
+    // more likely used than not are prefetched (the rest copied when a batch needs them).
+    for (workers, waves, pace, min_p) in [("0", "1", "0", ""), ("2", "1", "8", "0.5"), ("0", "2", "0", ""), ("2", "2", "0", "1"), ("0", "4", "8", "")] {
+        let env = [
+            ("STRATA_RING_EMULATE", "1"),
+            ("STRATA_PREFILL_RING", "8"),
+            ("STRATA_RING_WAVES", waves),
+            ("STRATA_RING_COPY_PACE_KIB", pace),
+            ("STRATA_RING_PREFETCH_MIN_P", min_p),
+        ];
         let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", workers], &env);
         let log = s.log.lock().unwrap().clone();
         assert!(log.contains("prefill ring: 8 slots in two halves") && log.contains("4 of 4 tiered layers windowed"), "{log}");
         let what = format!("ring of 8 slots, {workers} workers, {waves} passes");
+        let prefetch = format!("prefetch: cold experts used with a chance of at least {}", if min_p.is_empty() { "0.02" } else { min_p });
+        assert!(log.contains(&prefetch), "{what}: {log}");
         assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
         assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
         assert!(counter(&s, "prefill_ring_batches_total") >= 1);
@@ -306,6 +315,11 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_COPY_PACE_KIB", "-1")]);
     assert_ne!(out.status, 0);
     assert!(out.stderr.contains("STRATA_RING_COPY_PACE_KIB: invalid value '-1'"), "{}", out.stderr);
+    for bad in ["1.5", "-0.1", "most"] {
+        let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_PREFETCH_MIN_P", bad)]);
+        assert_ne!(out.status, 0);
+        assert!(out.stderr.contains(&format!("STRATA_RING_PREFETCH_MIN_P: invalid value '{bad}'")), "{}", out.stderr);
+    }
     for bad in ["0", "9", "all"] {
         let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_WAVES", bad)]);
         assert_ne!(out.status, 0);

@@ -138,6 +138,9 @@ pub struct Switches {
     /// The ring's copier issues at most this many bytes before it waits for them
     /// (STRATA_RING_COPY_PACE_KIB; None: a job's copies at once).
     pub ring_copy_pace: Option<usize>,
+    /// The least chance of use for which the ring prefetches a cold expert
+    /// (STRATA_RING_PREFETCH_MIN_P; None: ring::PREFETCH_MIN_P).
+    pub ring_prefetch_min_p: Option<f64>,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -946,7 +949,11 @@ fn start_ring(
         // SAFETY: the CPU device exists whenever the CPU backend is loaded.
         Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) })
     };
-    r.start(staging_buft, expert_bytes, plan.switches.ring_copy_pace).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
+    r.start(staging_buft, expert_bytes, plan.switches.ring_copy_pace, plan.switches.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc {
+        what: e,
+        bytes: 0,
+        device: "host".into(),
+    })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
     let cpu = entries.iter().find(|(_, lt)| lt.ring.is_some()).and_then(|(_, lt)| ring::measure_cpu(lt, 16));
@@ -974,6 +981,7 @@ fn start_ring(
     } else {
         line += "; cost model not measured (no cold expert to time): prompt batches always take the ring";
     }
+    line += &format!("; prefetch: cold experts used with a chance of at least {}", r.prefetch_min_p());
     if r.emulated {
         line += "; emulated, every prompt batch takes it";
     }

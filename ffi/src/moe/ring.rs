@@ -147,8 +147,8 @@ pub use strata_residency::plan::CostModel;
 
 /// Share of a layer's time the next layer's prefetch may fill with copies.
 const PREFETCH_SHARE: f64 = 0.8;
-/// Least chance of use for which an expert is prefetched when the copy budget allows.
-const PREFETCH_MIN_P: f64 = 0.02;
+/// Least chance of use for which an expert is prefetched when the copy budget allows (default).
+pub const PREFETCH_MIN_P: f64 = 0.02;
 
 /// Functions of patches/0003, from the CUDA (or HIP) backend's proc addresses.
 type RingNew = unsafe extern "C" fn(i32, usize) -> *mut c_void;
@@ -333,6 +333,8 @@ pub(crate) struct Ring {
     pub bytes: usize,
     /// One JSON line per fill step (the per-layer timeline), when a file was given.
     trace: Option<Mutex<std::fs::File>>,
+    /// Least chance of use for which the next layer's cold experts are prefetched (f64 bits).
+    prefetch_min_p: AtomicU64,
 }
 
 struct State {
@@ -435,6 +437,7 @@ impl Ring {
             emulated,
             bytes,
             trace: trace.and_then(|p| std::fs::File::create(p).ok()).map(Mutex::new),
+            prefetch_min_p: AtomicU64::new(PREFETCH_MIN_P.to_bits()),
         })
     }
 
@@ -463,6 +466,11 @@ impl Ring {
         let f = self.fns?;
         // SAFETY: live handle.
         self.handles.get(m).map(|pair| unsafe { (f.ring_size)(pair[0]) })
+    }
+
+    /// The least chance of use in the next batch for which a cold expert is prefetched.
+    pub(crate) fn prefetch_min_p(&self) -> f64 {
+        f64::from_bits(self.prefetch_min_p.load(Ordering::Relaxed))
     }
 
     /// The ring index the next registered layer gets (its half is the index modulo 2).
@@ -512,13 +520,16 @@ impl Ring {
     /// Starts the copier thread with a staging buffer for pageable sources (of `bytes_per_half`
     /// per half, page-locked when `buft` is the device's host buffer type). `pace`: at most
     /// that many bytes in flight, each group waited for before the next is issued (None: a
-    /// job's copies all at once).
+    /// job's copies all at once). `min_p`: the least chance of use for which a cold expert is
+    /// prefetched (None: PREFETCH_MIN_P).
     pub(crate) fn start(
         self: &Arc<Self>,
         staging_buft: Option<sys::ggml_backend_buffer_type_t>,
         expert_bytes: usize,
         pace: Option<usize>,
+        min_p: Option<f64>,
     ) -> Result<(), String> {
+        self.prefetch_min_p.store(min_p.unwrap_or(PREFETCH_MIN_P).to_bits(), Ordering::Relaxed);
         let staging = match staging_buft.filter(|_| !self.pinned_src) {
             Some(buft) => {
                 let half_bytes = self.half * expert_bytes;
@@ -715,7 +726,7 @@ impl Ring {
                     (Some(t), Some(r)) => Some(((PREFETCH_SHARE * t * r) as usize / layers[j].expert_bytes().max(1)).min(self.half)),
                     _ => None,
                 };
-                let likely = layers[j].likely_cold(draws, budget);
+                let likely = layers[j].likely_cold(draws, budget, self.prefetch_min_p());
                 st.drain(j % 2);
                 let copies = st.slots.prefetch(j % 2, j, &likely);
                 self.copy_ahead(&mut st, &layers[j], &copies, j % 2, false);
@@ -811,9 +822,9 @@ impl RingLayer {
 
     /// The layer's cold experts likely used by a batch of `draws` selections, most likely
     /// first, by the layer's own counts: with a copy budget of `budget` experts, up to that many
-    /// of those with any real chance of use; without one, those used with probability >= 1/2.
+    /// of those used with probability >= `min_p`; without one, those used with probability >= 1/2.
     /// Before the layer has counted enough, all of them (up to the budget).
-    fn likely_cold(&self, draws: f64, budget: Option<usize>) -> Vec<i32> {
+    fn likely_cold(&self, draws: f64, budget: Option<usize>, min_p: f64) -> Vec<i32> {
         let cap = budget.unwrap_or(usize::MAX);
         let counts: Vec<(i32, u64)> = self
             .cold_rows
@@ -828,7 +839,7 @@ impl RingLayer {
         }
         let mut ranked: Vec<(i32, f64)> = counts.into_iter().map(|(e, c)| (e, 1.0 - (-draws * c as f64 / total as f64).exp())).collect();
         ranked.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let min_p = if budget.is_some() { PREFETCH_MIN_P } else { 0.5 };
+        let min_p = if budget.is_some() { min_p } else { 0.5 };
         ranked.into_iter().filter(|&(_, p)| p >= min_p).map(|(e, _)| e).take(cap).collect()
     }
 }
@@ -1090,7 +1101,7 @@ mod tests {
         let hot_slots = vec![0, 1, -1, -1, -1, -1, -1, -1];
         let dst = [vec![own.as_mut_ptr() as usize], vec![other.as_mut_ptr() as usize]];
         ring.register(RingLayer::new(4, vec![(ram.as_ptr() as usize, 4)], dst, cold_rows, hot_slots, Arc::new(Tally::new(8)), 2));
-        ring.start(None, 4, Some(1)).expect("copier");
+        ring.start(None, 4, Some(1), None).expect("copier");
         Bench { ring, own, other, _ram: ram }
     }
 
@@ -1235,10 +1246,15 @@ mod tests {
         }
         let cold_rows = vec![-1, -1, 0, 1, 2, 3, 4, 5];
         let rl = RingLayer::new(4, vec![(0, 16)], [vec![0], vec![]], cold_rows, vec![0, 1, -1, -1, -1, -1, -1, -1], tally, 2);
-        assert_eq!(rl.likely_cold(100.0, Some(2)), vec![7, 6], "the budget takes the likeliest first");
-        assert_eq!(rl.likely_cold(100.0, Some(10)), vec![7, 6, 5], "2, 3 and 4 have almost no chance in 100 draws");
-        assert_eq!(rl.likely_cold(10.0, None), vec![7], "without a budget, only those more likely than not");
+        let p = PREFETCH_MIN_P;
+        assert_eq!(rl.likely_cold(100.0, Some(2), p), vec![7, 6], "the budget takes the likeliest first");
+        assert_eq!(rl.likely_cold(100.0, Some(10), p), vec![7, 6, 5], "2, 3 and 4 have almost no chance in 100 draws");
+        assert_eq!(rl.likely_cold(10.0, None, p), vec![7], "without a budget, only those more likely than not");
+        // In 10 draws: 7 is used with p 0.53, 6 with 0.40, 5 with 0.23.
+        assert_eq!(rl.likely_cold(10.0, Some(10), p), vec![7, 6, 5]);
+        assert_eq!(rl.likely_cold(10.0, Some(10), 0.3), vec![7, 6], "a higher least chance copies fewer within the same budget");
+        assert_eq!(rl.likely_cold(10.0, Some(1), 0.3), vec![7], "and the budget still caps it");
         let fresh = RingLayer::new(4, vec![(0, 16)], [vec![0], vec![]], vec![-1, 0, 1], vec![0, -1, -1], Arc::new(Tally::new(3)), 2);
-        assert_eq!(fresh.likely_cold(100.0, Some(1)), vec![1], "before any counts: every cold expert, up to the budget");
+        assert_eq!(fresh.likely_cold(100.0, Some(1), p), vec![1], "before any counts: every cold expert, up to the budget");
     }
 }

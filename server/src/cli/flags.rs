@@ -277,6 +277,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_RING_PREFETCH_MIN_P",
+        help: "the least chance of use in the next prompt batch, 0-1, for which the prefill ring prefetches a layer's cold expert while the layer before computes (default 0.02; the copy engine's time for that layer caps the count either way)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_RING_TRACE",
         help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
         effect: Effect::Experts,
