@@ -3,7 +3,7 @@
 // rows of 784 bytes, down 2048 rows of 196 bytes, 1,204,224 bytes in all). Decides the decode
 // mechanism (docs/expert-tiers.md, "Zero-copy decode").
 //
-//   nvcc -O2 -std=c++17 -arch=sm_90 tools/device/decodebench.cu -o decodebench && ./decodebench
+//   nvcc -O2 -std=c++17 -arch=sm_90 tools/device/decodebench.cu -lcuda -o decodebench && ./decodebench
 //
 // (a) zero-copy: a kernel shaped like CUDA's MMVQ (a block per row pair, 16-byte loads along the
 //     row) reads k experts' rows from page-locked host memory over the bus, against the same
@@ -16,8 +16,16 @@
 // (d) the zero-copy layer's extra small kernels (routing copy, id remaps, the add, the log copy):
 //     the per-token graph of (a) with E tiny kernels more per layer, so the cost of one small
 //     kernel inside a CUDA graph decides whether merging the two tiers' mul_mat_id is worth it.
+// (e) one tensor for both tiers: a virtual range mapping VRAM for the hot experts and then host
+//     memory from cuMemCreate on the host's NUMA node for the cold ones, so one kernel over the
+//     routing's own slots reads either and a decode layer needs no second mul_mat_id, remap or
+//     add. Says whether the driver allows it (and host access to the cold part, to fill it in
+//     place), the per-layer read costs through it, and the per-token graph with one set of
+//     kernels per layer against (a)'s two.
 // Prints one JSON object per measurement.
 #include "bench.cuh"
+
+#include <cuda.h>
 
 #include <algorithm>
 #include <atomic>
@@ -111,6 +119,106 @@ template <typename F> static double graph_us(cudaStream_t s, F record) {
     return us;
 }
 
+static bool cu_ok(CUresult r, const char * what) {
+    if (r == CUDA_SUCCESS) {
+        return true;
+    }
+    const char * msg = nullptr;
+    cuGetErrorString(r, &msg);
+    std::printf("{\"mechanism\":\"one-range\",\"supported\":false,\"step\":\"%s\",\"error\":\"%s\"}\n", what, msg ? msg : "?");
+    return false;
+}
+
+// (e): H hot slots in VRAM, then 64 cold experts in host memory, one stride for all.
+static void one_range(cudaStream_t s, const unsigned char * fill, float * out) {
+    CUdevice cu_dev;
+    if (!cu_ok(cuDeviceGet(&cu_dev, 0), "cuDeviceGet")) {
+        return;
+    }
+    int numa = -1;
+    (void) cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, cu_dev);
+    CUmemAllocationProp dprop = {};
+    dprop.type          = CU_MEM_ALLOCATION_TYPE_PINNED;
+    dprop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    dprop.location.id   = 0;
+    CUmemAllocationProp hprop = dprop;
+    hprop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    hprop.location.id   = numa < 0 ? 0 : numa;
+    size_t gd = 0, gh = 0;
+    if (!cu_ok(cuMemGetAllocationGranularity(&gd, &dprop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity device") ||
+        !cu_ok(cuMemGetAllocationGranularity(&gh, &hprop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity host")) {
+        return;
+    }
+    const size_t g = std::max(gd, gh);
+    const size_t hot_bytes = (64 * EXPERT + g - 1) / g * g;
+    const size_t cold_bytes = (65 * EXPERT + g - 1) / g * g;
+    const int H = int(hot_bytes / EXPERT);  // slots below H are in VRAM; the tensor starts so that slot H starts the host part
+    CUdeviceptr va = 0;
+    CUmemGenericAllocationHandle hot_h, cold_h;
+    if (!cu_ok(cuMemAddressReserve(&va, hot_bytes + cold_bytes, g, 0, 0), "reserve") ||
+        !cu_ok(cuMemCreate(&hot_h, hot_bytes, &dprop, 0), "create device") ||
+        !cu_ok(cuMemCreate(&cold_h, cold_bytes, &hprop, 0), "create host numa") ||
+        !cu_ok(cuMemMap(va, hot_bytes, 0, hot_h, 0), "map device") ||
+        !cu_ok(cuMemMap(va + hot_bytes, cold_bytes, 0, cold_h, 0), "map host")) {
+        return;
+    }
+    CUmemAccessDesc acc = {};
+    acc.location = dprop.location;
+    acc.flags    = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (!cu_ok(cuMemSetAccess(va, hot_bytes + cold_bytes, &acc, 1), "device access")) {
+        return;
+    }
+    CUmemAccessDesc hacc = {};
+    hacc.location = hprop.location;
+    hacc.flags    = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const bool host_access = cuMemSetAccess(va + hot_bytes, cold_bytes, &hacc, 1) == CUDA_SUCCESS;
+    const unsigned char * base = (const unsigned char *) (va + hot_bytes) - size_t(H) * EXPERT;
+    CK(cudaMemcpy((void *) (va + hot_bytes), fill, 64 * EXPERT, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy((void *) base, fill, size_t(H) * EXPERT, cudaMemcpyHostToDevice));
+    std::printf("{\"mechanism\":\"one-range\",\"supported\":true,\"granularity\":%zu,\"hot_slots\":%d,\"numa\":%d,\"host_access\":%s}\n", g, H,
+                numa, host_access ? "true" : "false");
+
+    // Per layer: k experts from the host part, and k from the VRAM part, through the one range.
+    std::vector<int> h_ids(64 + LAYERS * 8);
+    int * ids;
+    CK(cudaMalloc(&ids, h_ids.size() * sizeof(int)));
+    for (int k : {1, 2, 4, 8}) {
+        for (int where = 0; where < 2; ++where) {
+            for (int i = 0; i < 64; ++i) {
+                h_ids[i] = where ? (i * 97 + 13) % H : H + (i * 31 + 7) % 64;
+            }
+            CK(cudaMemcpy(ids, h_ids.data(), 64 * sizeof(int), cudaMemcpyHostToDevice));
+            int rot = 0;
+            double us = time_us(s, 50, [&] {
+                layer_reads(base, ids + rot, k, out, s);
+                rot = (rot + k) % (64 - k);
+            });
+            std::printf("{\"mechanism\":\"one-range\",\"from\":\"%s\",\"experts\":%d,\"us_per_layer\":%.1f,\"GB_per_s\":%.1f}\n",
+                        where ? "vram" : "host", k, us, k * EXPERT / us / 1e3);
+        }
+    }
+    // Per token: 48 layers of 8 selections, c of them cold, one set of kernels per layer.
+    for (int c : {0, 1, 3}) {
+        for (int l = 0; l < LAYERS; ++l) {
+            for (int j = 0; j < 8; ++j) {
+                h_ids[l * 8 + j] = j < c ? H + (l * 8 + j) % 64 : (l * 8 + j * 7) % H;
+            }
+        }
+        CK(cudaMemcpy(ids, h_ids.data(), LAYERS * 8 * sizeof(int), cudaMemcpyHostToDevice));
+        double us = graph_us(s, [&] {
+            for (int l = 0; l < LAYERS; ++l) {
+                layer_reads(base, ids + l * 8, 8, out, s);
+            }
+        });
+        std::printf("{\"mechanism\":\"one-range\",\"graph_layers\":%d,\"cold_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, c, us);
+    }
+    CK(cudaFree(ids));
+    (void) cuMemUnmap(va, hot_bytes + cold_bytes);
+    (void) cuMemRelease(hot_h);
+    (void) cuMemRelease(cold_h);
+    (void) cuMemAddressFree(va, hot_bytes + cold_bytes);
+}
+
 int main() {
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -177,6 +285,9 @@ int main() {
         });
         std::printf("{\"mechanism\":\"small-kernels\",\"graph_layers\":%d,\"extra_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, extra, us);
     }
+
+    // (e) both tiers in one virtual range
+    one_range(s, host, out);
 
     // (b) a flag hand-off per layer: GPU -> CPU thread -> GPU, within the stream
     int * flags;
