@@ -9,8 +9,12 @@ cache), and records prefill and decode t/s from the server's timings, the server
 requests, and bytes it read from storage (/proc/PID/io read_bytes) per prompt token and per
 generated token. Writes matrix.json and a Markdown table.
 
+With --repeat N the three arms run N rounds, each round in another order (rotated), and the
+table gives per arm the median and range over the rounds, and the ratios' medians over the
+rounds (each round's arms ran back to back), for machines whose speed drifts between runs.
+
   tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
-                     [--server PATH] [-- more server arguments, e.g. -ngl 99]
+                     [--repeat N] [--ssd-cache-mib N] [--server PATH] [-- more server arguments]
 
 The prompt is token ids drawn over the vocabulary (seeded), so a batch needs about as many distinct
 rows as varied text would.
@@ -21,6 +25,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -64,14 +69,15 @@ def prompt(n_tokens: int, seed: int) -> list[int]:
     return ids + [rng.choice(ids) for _ in range(n_tokens - len(ids))]
 
 
-def arm(model: Path, mode: str, args, env_extra: dict) -> dict:
+def arm(model: Path, mode: str, args, env_extra: dict, tag: str = "") -> dict:
     drop_file_cache(model)
     port = free_port()
+    cache = ["--ple-cache-mib", str(args.ssd_cache_mib)] if mode == "ssd" and args.ssd_cache_mib is not None else []
     cmd = [str(args.server), "-m", str(model), "-c", str(args.prompt_tokens + args.predict + 64), "-np", "1", "--port", str(port), "-t", str(args.threads),
-           "-b", "512", "-ub", "512", "--ple-mode", mode, *args.server_args]
+           "-b", "512", "-ub", "512", "--ple-mode", mode, *cache, *args.server_args]
     env = dict(os.environ, **env_extra)
     t0 = time.time()
-    log = open(args.out / f"server-{mode}.log", "w")
+    log = open(args.out / f"server-{mode}{tag}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -122,33 +128,55 @@ def main() -> int:
     ap.add_argument("--predict", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--io-threads", default="8")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--ssd-cache-mib", type=int, default=None, help="--ple-cache-mib of the ssd arm (default: the server's)")
     args = ap.parse_args(own)
     args.server_args = server_args
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for mode in ("ram", "mmap", "ssd"):
-        env = {"STRATA_IO_THREADS": args.io_threads} if mode == "ssd" else {}
-        r = arm(args.model, mode, args, env)
-        rows.append(r)
-        print(f"{mode}: load {r['load_s']:.1f} s, rss {r['rss_mib']:.0f} MiB, " + ", ".join(
-            f"{x['run']} prefill {x['prefill_tps']:.1f} t/s decode {x['decode_tps']:.1f} t/s read {x['read_bytes'] / 2**20:.1f} MiB"
-            for x in r["runs"]), flush=True)
-    ram = {x["run"]: x for x in rows[0]["runs"]}
-    for r in rows:
-        for x in r["runs"]:
-            x["same_tokens_as_ram"] = x["content"] == ram[x["run"]]["content"]
-            x["prefill_vs_ram"] = x["prefill_tps"] / ram[x["run"]]["prefill_tps"]
-            x["decode_vs_ram"] = x["decode_tps"] / ram[x["run"]]["decode_tps"]
-    mmap = {x["run"]: x for x in rows[1]["runs"]}
-    for x in rows[2]["runs"]:
-        x["prefill_vs_mmap"] = x["prefill_tps"] / mmap[x["run"]]["prefill_tps"]
-        x["decode_vs_mmap"] = x["decode_tps"] / mmap[x["run"]]["decode_tps"]
+    modes = ("ram", "mmap", "ssd")
+    rounds = []
+    for k in range(args.repeat):
+        tag = f"-r{k + 1}" if args.repeat > 1 else ""
+        by_mode = {}
+        for mode in modes[k % 3:] + modes[:k % 3]:
+            env = {"STRATA_IO_THREADS": args.io_threads} if mode == "ssd" else {}
+            r = arm(args.model, mode, args, env, tag)
+            r["round"] = k + 1
+            by_mode[mode] = r
+            print(f"round {k + 1} {mode}: load {r['load_s']:.1f} s, rss {r['rss_mib']:.0f} MiB, " + ", ".join(
+                f"{x['run']} prefill {x['prefill_tps']:.1f} t/s decode {x['decode_tps']:.1f} t/s read {x['read_bytes'] / 2**20:.1f} MiB"
+                for x in r["runs"]), flush=True)
+        ram = {x["run"]: x for x in by_mode["ram"]["runs"]}
+        mmap = {x["run"]: x for x in by_mode["mmap"]["runs"]}
+        for r in by_mode.values():
+            for x in r["runs"]:
+                x["same_tokens_as_ram"] = x["content"] == ram[x["run"]]["content"]
+                x["prefill_vs_ram"] = x["prefill_tps"] / ram[x["run"]]["prefill_tps"]
+                x["decode_vs_ram"] = x["decode_tps"] / ram[x["run"]]["decode_tps"]
+                x["prefill_vs_mmap"] = x["prefill_tps"] / mmap[x["run"]]["prefill_tps"]
+                x["decode_vs_mmap"] = x["decode_tps"] / mmap[x["run"]]["decode_tps"]
+        rounds.append([by_mode[m] for m in modes])
+    rows = [r for rs in rounds for r in rs]
     size = args.model.stat().st_size
     meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
-            "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads,
-            "server": str(args.server), "server_args": server_args,
+            "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads, "repeat": args.repeat,
+            "ssd_cache_mib": args.ssd_cache_mib, "server": str(args.server), "server_args": server_args,
             "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm"}
-    (args.out / "matrix.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out = {"meta": meta, "rows": rows}
+    if args.repeat > 1:
+        out["summary"] = summary(rows)
+    (args.out / "matrix.json").write_text(json.dumps(out, indent=1))
+    if args.repeat > 1:
+        lines = ["| mode | run | prefill t/s median (range) | decode t/s median (range) | prefill / ram | decode / ram | prefill / mmap | decode / mmap | RSS MiB | same text as ram |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+        for x in out["summary"]:
+            rng = lambda k: f"{x[k]['median']:.1f} ({x[k]['min']:.1f}-{x[k]['max']:.1f})"
+            lines.append(f"| {x['mode']} | {x['run']} | {rng('prefill_tps')} | {rng('decode_tps')} | {x['prefill_vs_ram']['median']:.2f} | "
+                         f"{x['decode_vs_ram']['median']:.2f} | {x['prefill_vs_mmap']['median']:.2f} | {x['decode_vs_mmap']['median']:.2f} | "
+                         f"{x['rss_mib']['median']:.0f} | {x['same_tokens_as_ram']} |")
+        (args.out / "table.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     lines = ["| mode | run | prefill t/s | decode t/s | prefill / ram | decode / ram | read MiB | read B/token | RSS MiB | same text as ram |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -158,6 +186,20 @@ def main() -> int:
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per mode and run (cold, warm): median, min and max over the rounds."""
+    out = []
+    for mode in ("ram", "mmap", "ssd"):
+        for run in ("cold", "warm"):
+            xs = [(r, x) for r in rows if r["mode"] == mode for x in r["runs"] if x["run"] == run]
+            stats = {"mode": mode, "run": run, "rounds": len(xs), "same_tokens_as_ram": all(x["same_tokens_as_ram"] for _, x in xs)}
+            for key in ("prefill_tps", "decode_tps", "prefill_vs_ram", "decode_vs_ram", "prefill_vs_mmap", "decode_vs_mmap", "rss_mib"):
+                v = sorted(r[key] if key == "rss_mib" else x[key] for r, x in xs)
+                stats[key] = {"median": statistics.median(v), "min": v[0], "max": v[-1]}
+            out.append(stats)
+    return out
 
 
 if __name__ == "__main__":
