@@ -1,8 +1,9 @@
 // Calibrated GEMM dispatch: before ggml_cuda_mul_mat picks its kernel for a dense matmul, an
 // application-registered chooser (Strata's table, STRATA_HIPBLASLT_TUNING) may ask for MMQ or
-// for one cuBLASLt algorithm (by its index in the heuristic's list for that shape) with a
-// workspace. Whatever does not apply (a layout BLASLt cannot take, an index the heuristic no
-// longer returns, a library error) falls back to the backend's own choice and is reported.
+// for one cuBLASLt algorithm (hipBLASLt on HIP; by its index in the heuristic's list for that
+// shape) with a workspace. Whatever does not apply (a layout BLASLt cannot take, an index the
+// heuristic no longer returns, a library error) falls back to the backend's own choice and is
+// reported.
 // Proc addresses: ggml_backend_cuda_strata_gemm_register, ggml_backend_cuda_strata_gemm_device,
 // ggml_backend_cuda_strata_gemm_algos.
 
