@@ -1,0 +1,74 @@
+"""tools/device/matrix: the rows of a device call as the expert issues' matrix.json wants them,
+from row directories laid out as tools/device/run-ring and tools/device/ab leave them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MATRIX = REPO / "tools" / "device" / "matrix"
+KEYS = {"budget_gib", "skew", "ubatch", "hit_rate", "prefill_ratio_min", "prefill_ratio_max", "decode_ratio_min",
+        "decode_ratio_max", "prefill_vs_allgpu", "decode_vs_allgpu", "h2d_gib_per_1k_tokens", "commit"}
+
+
+def requests(prefill: list[float], decode: list[float]) -> dict:
+    fresh = [{"kind": "fresh", "prefill_tps": p, "decode_tps": d} for p, d in zip(prefill, decode)]
+    return {"requests": [{"kind": "warmup", "prefill_tps": 1.0, "decode_tps": 1.0}, *fresh,
+                         {"kind": "follow-up", "prefill_tps": 1.0, "decode_tps": 1.0}]}
+
+
+def row_dir(base: Path, name: str, control, candidate, ceiling=None, metrics: str | None = None) -> None:
+    d = base / name
+    d.mkdir(parents=True)
+    (d / "control.json").write_text(json.dumps(requests(*control)))
+    if candidate is not None:
+        (d / "candidate.json").write_text(json.dumps(requests(*candidate)))
+    if ceiling is not None:
+        (d / "ceiling.json").write_text(json.dumps(requests(*ceiling)))
+    if metrics is not None:
+        (d / "candidate.metrics.txt").write_text(metrics)
+
+
+def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
+    call = tmp_path / "call1"
+    metrics = "\n".join([
+        "# HELP strata:expert_selections_total selections by tier",
+        'strata:expert_selections_total{tier="vram"} 900',
+        'strata:expert_selections_total{tier="ram"} 100',
+        'strata:expert_selections_total{tier="mmap"} 0',
+        "llamacpp:prompt_tokens_total 2000",
+        f"strata:prefill_ring_h2d_bytes_total {2 * 1024 ** 3}",
+    ])
+    row_dir(call, "row-24-0.7-4096", ([100, 200, 100, 200], [10, 10, 20, 20]), ([150, 300, 130, 280], [15, 12, 30, 25]),
+            ceiling=([200, 400, 200, 400], [20, 20, 40, 40]), metrics=metrics)
+    row_dir(call, "row-12-0.7-4096+minp", ([100] * 4, [10] * 4), ([120, 140, 160, 180], [20] * 4))
+    row_dir(call, "row-12-0.7-512-cpu+waves", ([100] * 4, [10] * 4), None)
+    res = subprocess.run([sys.executable, str(MATRIX), "--commit", "abc1234", str(call)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = {r["dir"]: r for r in json.loads(res.stdout)}
+    assert set(rows) == {"row-24-0.7-4096", "row-12-0.7-4096+minp", "row-12-0.7-512-cpu+waves"}
+
+    full = rows["row-24-0.7-4096"]
+    assert KEYS <= set(full), KEYS - set(full)
+    assert (full["budget_gib"], full["skew"], full["ubatch"], full["arm"], full["commit"]) == (24.0, 0.7, 4096, "profile", "abc1234")
+    assert (full["prefill_ratio_min"], full["prefill_ratio_max"]) == (1.3, 1.5)
+    assert (full["decode_ratio_min"], full["decode_ratio_max"]) == (1.2, 1.5)
+    # medians over the four fresh requests of candidate / ceiling: (0.75, 0.75, 0.65, 0.7) and (0.75, 0.6, 0.75, 0.625)
+    assert (full["prefill_vs_allgpu"], full["decode_vs_allgpu"]) == (0.725, 0.688)
+    assert full["hit_rate"] == 0.9
+    assert full["h2d_gib_per_1k_tokens"] == 1.0
+
+    minp = rows["row-12-0.7-4096+minp"]
+    assert minp["arm"] == "minp"
+    # the ceiling of the same skew and batch size, measured in another row of the call
+    assert minp["ceiling_from"] == "row-24-0.7-4096"
+    assert minp["prefill_vs_allgpu"] == 0.525
+    assert (minp["prefill_ratio_min"], minp["prefill_ratio_max"]) == (1.2, 1.8)
+    assert "hit_rate" not in minp and "h2d_gib_per_1k_tokens" not in minp, "no /metrics, no figures from them"
+
+    broken = rows["row-12-0.7-512-cpu+waves"]
+    assert (broken["cold_decode"], broken["arm"]) == ("cpu", "waves")
+    assert broken["error"].startswith("no result")
