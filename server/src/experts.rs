@@ -135,6 +135,7 @@ impl ExpertConfig {
 }
 
 /// What was checked before the model is loaded.
+#[derive(Clone)]
 pub struct Prepared {
     cfg: ExpertConfig,
     layout: ExpertLayout,
@@ -218,13 +219,19 @@ fn ring_half(p: &Prepared, ranking: &[(u32, u32)], budget: u64, max: u64, hot: &
     plan::ring_half(&p.layout, ranking, req, hot)
 }
 
-/// Places the experts of `model` per the prepared flags. Runs once, after the first context is
-/// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
-/// before any graph is computed.
-pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Residency, String> {
+/// `p` restricted to the layers whose experts llama.cpp loaded, and the MTP layers it left out:
+/// it loads those only for MTP drafting. Any other layer missing, or loaded otherwise than the
+/// file says, is an error.
+fn loaded_layers(p: &Prepared, model: &Model) -> Result<(Prepared, Vec<u32>), String> {
     let loaded = moe::expert_layers(model);
+    let trunk = moe::trunk_layers(model);
+    let mut unloaded = Vec::new();
     for l in &p.layout.layers {
         let Some(m) = loaded.iter().find(|m| m.layer == l.layer as i32) else {
+            if l.layer as i32 >= trunk {
+                unloaded.push(l.layer);
+                continue;
+            }
             return Err(format!("llama.cpp did not load the experts of layer {}", l.layer));
         };
         if m.n_expert as u64 != u64::from(p.layout.n_expert) || m.expert_bytes as u64 != l.expert_bytes() {
@@ -237,6 +244,27 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
                 l.expert_bytes()
             ));
         }
+    }
+    let mut out = p.clone();
+    out.layout.layers.retain(|l| !unloaded.contains(&l.layer));
+    if out.layout.layers.is_empty() {
+        return Err("llama.cpp loaded no layer with routed experts".into());
+    }
+    Ok((out, unloaded))
+}
+
+/// Places the experts of `model` per the prepared flags. Runs once, after the first context is
+/// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
+/// before any graph is computed.
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Residency, String> {
+    let full_layout = p.layout.clone();
+    let (p, unloaded) = loaded_layers(p, model)?;
+    let p = &p;
+    if !unloaded.is_empty() {
+        let list = unloaded.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+        let (what, it) = if unloaded.len() == 1 { ("layer", "it") } else { ("layers", "them") };
+        let line = format!("experts: MTP {what} {list} not loaded (llama.cpp loads {it} only for --spec-type draft-mtp); not placed");
+        crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
     }
     let cfg = &p.cfg;
     let (free, total, dev) = moe::hot_device_memory(main_gpu);
@@ -325,8 +353,9 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     };
     let hit_note = match &p.profile {
         Some(prof) => {
-            let all: u64 = prof.ranked.iter().map(|e| e.hits).sum();
-            let hot_hits: u64 = prof.ranked.iter().take(placement.experts[Tier::Hot as usize] as usize).map(|e| e.hits).sum();
+            let placed = || prof.ranked.iter().filter(|e| p.layout.layers.iter().any(|l| l.layer == e.layer));
+            let all: u64 = placed().map(|e| e.hits).sum();
+            let hot_hits: u64 = placed().take(placement.experts[Tier::Hot as usize] as usize).map(|e| e.hits).sum();
             format!("profile hit rate of the hot tier {:.2}%", 100.0 * hot_hits as f64 / all.max(1) as f64)
         }
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
@@ -378,8 +407,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         }
         _ => {}
     }
-    let recorder =
-        cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: p.layout.clone() });
+    // The profile covers every layer of the file, so it serves with or without MTP drafting.
+    let recorder = cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: full_layout });
     Ok(Residency { placement, totals: moe::hits(), last_step: [0; 3], recorder })
 }
 
@@ -461,7 +490,15 @@ fn prior(prof: &Profile, n_expert: u32) -> Vec<(i32, Vec<u64>)> {
 }
 
 fn write_profile(r: &Recorder) -> Result<(), String> {
-    let counts: Vec<(u32, Vec<u64>)> = moe::expert_counts(&r.model).into_iter().map(|(l, c)| (l as u32, c)).collect();
+    let mut counts: Vec<(u32, Vec<u64>)> = moe::expert_counts(&r.model).into_iter().map(|(l, c)| (l as u32, c)).collect();
+    // A layer llama.cpp did not load (MTP without drafting) ran nothing: zero counts, so the
+    // profile still covers every layer of the file.
+    for l in &r.layout.layers {
+        if !counts.iter().any(|(layer, _)| *layer == l.layer) {
+            counts.push((l.layer, vec![0; r.layout.n_expert as usize]));
+        }
+    }
+    counts.sort_by_key(|(l, _)| *l);
     let n_used = u64::from(r.layout.n_expert_used.max(1));
     let tokens = counts.first().map_or(0, |(_, c)| c.iter().sum::<u64>() / n_used);
     let prof = Profile::from_counts(

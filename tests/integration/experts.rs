@@ -420,6 +420,37 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     assert!(log.contains("(zero-copy, one device graph per step"), "{log}");
 }
 
+/// A model with MTP layers served without MTP drafting: llama.cpp does not load those layers, and
+/// the tiers place the trunk's experts alone (the server refused to start before).
+#[test]
+fn mtp_layers_without_drafting_stay_out_of_the_tiers() {
+    for name in ["tiny-qwen35moe-mtp.gguf", "tiny-qwen4exp.gguf"] {
+        let m = model(name);
+        let m = m.to_str().unwrap();
+        let reference = Server::start(&["-m", m, "-c", "4096", "--no-repack"], &[]);
+        let want = generate(&reference, LONG);
+        drop(reference);
+        let s = Server::start(&["-m", m, "-c", "4096", "--metrics", "--mmap-experts", "--expert-cache", "20"], &[]);
+        assert_same(&want, &generate(&s, LONG), &format!("{name}: tiers without MTP drafting"));
+        let log = s.log.lock().unwrap().clone();
+        assert!(log.contains("experts: MTP layer 4 not loaded (llama.cpp loads it only for --spec-type draft-mtp); not placed"), "{log}");
+        assert!(log.contains("experts: 4 MoE layers x 16 experts"), "{log}");
+        assert!(metric(&s, "expert_selections_total", "mmap") > 0);
+        drop(s);
+        // A profile recorded without drafting covers the MTP layer too (no selections), so it
+        // serves with drafting on as well as off.
+        let dir = tmp(&format!("mtp-off-{name}"));
+        let profile = record_profile_of(name, &[], &dir);
+        let root = guard_root(&dir, 64 << 20);
+        for spec in [&[][..], &["--spec-type", "draft-mtp"][..]] {
+            let mut args = vec!["-m", m, "-c", "4096", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "20"];
+            args.extend(spec);
+            let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())]);
+            assert_same(&want, &generate(&s, LONG), &format!("{name}: profile recorded without drafting, {spec:?}"));
+        }
+    }
+}
+
 /// Selections served by the hot tier over the requests of `run` (SHORT and LONG twice each), as
 /// a share of all, counting only the last two.
 fn hot_share_of_repeats(s: &Server, refs: &(Value, Value), what: &str) -> f64 {
@@ -508,4 +539,58 @@ fn adaptation_follows_the_routing_and_keeps_the_output() {
             assert!(counter(&s, "prefill_ring_batches_total") >= 1);
         }
     }
+}
+
+/// The seed's measured configuration as one command line (its flags, "matching MTP runtime",
+/// "Keep PLE on SSD" and its four variables) on a tiny qwen4exp, the architecture it was measured
+/// on (MoE, MTP, a PLE table): it starts on a machine without a GPU, says what it cannot use
+/// here, and keeps the greedy output of the same model served plainly with the same KV type and
+/// drafting.
+#[test]
+fn the_seed_command_line_serves_and_keeps_the_output() {
+    let m = model("tiny-qwen4exp.gguf");
+    let m = m.to_str().unwrap();
+    let dir = tmp("seed");
+    let profile = record_profile_of("tiny-qwen4exp.gguf", &["--spec-type", "draft-mtp"], &dir);
+    let root = guard_root(&dir, 64 << 20);
+    let table = dir.join("gfx1100-hipblaslt-100100.txt");
+    std::fs::write(&table, "strata-gemm-table 1\nvalidator arch gfx1100\nvalidator runtime 70151\nvalidator blaslt 100100\n").unwrap();
+
+    let plain = ["-m", m, "-c", "4096", "--no-repack", "--kv", "int8", "--spec-type", "draft-mtp", "--spec", "4", "--spec-min-p", "0.5"];
+    let reference = Server::start(&plain, &[]);
+    let want = generate(&reference, LONG);
+    drop(reference);
+
+    #[rustfmt::skip]
+    let seed = [
+        "-m", m, "-ngl", "99",
+        "--mmap-experts", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "auto",
+        "--prefill", "8192", "--spec", "4", "--spec-min-p", "0.5", "--spec-type", "draft-mtp",
+        "--max-context", "262144", "--kv", "int8", "--kv-resident", "32768", "--pool-workers", "15",
+        "--adapt-every", "0", "--pcie-frac", "0", "--vram-reserve-mib", "1024", "--ple-mode", "ssd", "--metrics",
+    ];
+    let env = [
+        ("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()),
+        ("STRATA_PREFILL_MMQ", "1"),
+        ("STRATA_HIPBLASLT_TUNING", table.to_str().unwrap()),
+        ("STRATA_PREFILL_RING", "96"),
+        ("STRATA_IO_THREADS", "32"),
+    ];
+    let s = Server::start(&seed, &env);
+    let got = generate(&s, LONG);
+    assert_same(&want, &got, "the seed's command line");
+    let (status, props) = s.get("/props");
+    assert_eq!(status, 200);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 262144, "--max-context is -c");
+    let log = s.log.lock().unwrap().clone();
+    for line in [
+        "(auto: no GPU, no hot tier)",
+        "prefill ring: off (no GPU)",
+        "stays in the file; a batch's rows are read by 32 direct-I/O readers",
+        "STRATA_HIPBLASLT_TUNING",
+        "creating MTP draft context",
+    ] {
+        assert!(log.contains(line), "no '{line}' in\n{log}");
+    }
+    assert!(metric(&s, "expert_selections_total", "ram") > 0, "cold experts served from the RAM copy");
 }

@@ -474,6 +474,12 @@ pub(crate) fn extra_nodes(model: *const sys::llama_model) -> u32 {
     n as u32 * graph::EXTRA_NODES_PER_LAYER
 }
 
+/// Blocks of a loaded model's trunk, without its NextN (MTP) layers.
+pub fn trunk_layers(model: &Model) -> i32 {
+    // SAFETY: a Model is a loaded model.
+    unsafe { sys::llama_model_n_layer(model.as_ptr()) }
+}
+
 /// Blocks of a loaded model: the trunk, then the NextN (MTP) layers, which may have experts too.
 fn n_blocks(model: *const sys::llama_model) -> i32 {
     // SAFETY: the caller passes a loaded model.
