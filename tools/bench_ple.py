@@ -36,6 +36,7 @@ from strata_tools import free_port, post_json, stop, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "target/release/strata-server"
+MODES = ("ram", "mmap", "ssd")
 
 
 def drop_file_cache(path: Path) -> None:
@@ -133,12 +134,11 @@ def main() -> int:
     args = ap.parse_args(own)
     args.server_args = server_args
     args.out.mkdir(parents=True, exist_ok=True)
-    modes = ("ram", "mmap", "ssd")
-    rounds = []
+    rows = []
     for k in range(args.repeat):
         tag = f"-r{k + 1}" if args.repeat > 1 else ""
         by_mode = {}
-        for mode in modes[k % 3:] + modes[:k % 3]:
+        for mode in MODES[k % 3:] + MODES[:k % 3]:
             env = {"STRATA_IO_THREADS": args.io_threads} if mode == "ssd" else {}
             r = arm(args.model, mode, args, env, tag)
             r["round"] = k + 1
@@ -155,8 +155,7 @@ def main() -> int:
                 x["decode_vs_ram"] = x["decode_tps"] / ram[x["run"]]["decode_tps"]
                 x["prefill_vs_mmap"] = x["prefill_tps"] / mmap[x["run"]]["prefill_tps"]
                 x["decode_vs_mmap"] = x["decode_tps"] / mmap[x["run"]]["decode_tps"]
-        rounds.append([by_mode[m] for m in modes])
-    rows = [r for rs in rounds for r in rs]
+        rows.extend(by_mode[m] for m in MODES)
     size = args.model.stat().st_size
     meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
             "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads, "repeat": args.repeat,
@@ -191,7 +190,7 @@ def main() -> int:
 def summary(rows: list[dict]) -> list[dict]:
     """Per mode and run (cold, warm): median, min and max over the rounds."""
     out = []
-    for mode in ("ram", "mmap", "ssd"):
+    for mode in MODES:
         for run in ("cold", "warm"):
             xs = [(r, x) for r in rows if r["mode"] == mode for x in r["runs"] if x["run"] == run]
             stats = {"mode": mode, "run": run, "rounds": len(xs), "same_tokens_as_ram": all(x["same_tokens_as_ram"] for _, x in xs)}

@@ -105,6 +105,20 @@ template <typename F> static double time_us(cudaStream_t s, int reps, F f) {
     return median(v);
 }
 
+// Per layer, k experts (1, 2, 4, 8) read from `base` by the ids listed at `ids` (64 of them, 77 MB,
+// more than the L2 holds: each rep reads other experts than the last); one line each.
+static void per_layer_reads(cudaStream_t s, const char * mechanism, const char * from, const unsigned char * base, const int * ids, float * out) {
+    for (int k : {1, 2, 4, 8}) {
+        int rot = 0;
+        double us = time_us(s, 50, [&] {
+            layer_reads(base, ids + rot, k, out, s);
+            rot = (rot + k) % (64 - k);
+        });
+        std::printf("{\"mechanism\":\"%s\",\"from\":\"%s\",\"experts\":%d,\"us_per_layer\":%.1f,\"GB_per_s\":%.1f}\n", mechanism, from, k, us,
+                    k * EXPERT / us / 1e3);
+    }
+}
+
 // Median microseconds of one launch of the CUDA graph that `record` captures on stream s.
 template <typename F> static double graph_us(cudaStream_t s, F record) {
     cudaGraph_t g;
@@ -182,20 +196,12 @@ static void one_range(cudaStream_t s, const unsigned char * fill, float * out) {
     std::vector<int> h_ids(64 + LAYERS * 8);
     int * ids;
     CK(cudaMalloc(&ids, h_ids.size() * sizeof(int)));
-    for (int k : {1, 2, 4, 8}) {
-        for (int where = 0; where < 2; ++where) {
-            for (int i = 0; i < 64; ++i) {
-                h_ids[i] = where ? (i * 97 + 13) % H : H + (i * 31 + 7) % 64;
-            }
-            CK(cudaMemcpy(ids, h_ids.data(), 64 * sizeof(int), cudaMemcpyHostToDevice));
-            int rot = 0;
-            double us = time_us(s, 50, [&] {
-                layer_reads(base, ids + rot, k, out, s);
-                rot = (rot + k) % (64 - k);
-            });
-            std::printf("{\"mechanism\":\"one-range\",\"from\":\"%s\",\"experts\":%d,\"us_per_layer\":%.1f,\"GB_per_s\":%.1f}\n",
-                        where ? "vram" : "host", k, us, k * EXPERT / us / 1e3);
+    for (int where = 0; where < 2; ++where) {
+        for (int i = 0; i < 64; ++i) {
+            h_ids[i] = where ? (i * 97 + 13) % H : H + (i * 31 + 7) % 64;
         }
+        CK(cudaMemcpy(ids, h_ids.data(), 64 * sizeof(int), cudaMemcpyHostToDevice));
+        per_layer_reads(s, "one-range", where ? "vram" : "host", base, ids, out);
     }
     // Per token: 48 layers of 8 selections, c of them cold, one set of kernels per layer.
     for (int c : {0, 1, 3}) {
@@ -243,19 +249,8 @@ int main() {
     CK(cudaMemcpy(ids, h_ids.data(), 64 * sizeof(int), cudaMemcpyHostToDevice));
 
     // (a) per layer, k experts, from host memory over the bus and from VRAM
-    for (int k : {1, 2, 4, 8}) {
-        for (int where = 0; where < 2; ++where) {
-            const unsigned char * base = where ? dev : host_dev;
-            // each rep reads other experts than the last (64 listed, 77 MB, more than the L2 holds)
-            int rot = 0;
-            double us = time_us(s, 50, [&] {
-                layer_reads(base, ids + rot, k, out, s);
-                rot = (rot + k) % (64 - k);
-            });
-            std::printf("{\"mechanism\":\"zero-copy\",\"from\":\"%s\",\"experts\":%d,\"us_per_layer\":%.1f,\"GB_per_s\":%.1f}\n",
-                        where ? "vram" : "host", k, us, k * EXPERT / us / 1e3);
-        }
-    }
+    per_layer_reads(s, "zero-copy", "host", host_dev, ids, out);
+    per_layer_reads(s, "zero-copy", "vram", dev, ids, out);
     // (a) per token: 48 layers of k cold experts each, captured as one CUDA graph
     for (int k : {0, 1, 3}) {
         double us = graph_us(s, [&] {
