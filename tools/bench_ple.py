@@ -75,7 +75,7 @@ def arm(model: Path, mode: str, args, env_extra: dict, tag: str = "") -> dict:
     port = free_port()
     cache = ["--ple-cache-mib", str(args.ssd_cache_mib)] if mode == "ssd" and args.ssd_cache_mib is not None else []
     cmd = [str(args.server), "-m", str(model), "-c", str(args.prompt_tokens + args.predict + 64), "-np", "1", "--port", str(port), "-t", str(args.threads),
-           "-b", "512", "-ub", "512", "--ple-mode", mode, *cache, *args.server_args]
+           "-b", "512", "-ub", "512", "--metrics", "--ple-mode", mode, *cache, *args.server_args]
     env = dict(os.environ, **env_extra)
     t0 = time.time()
     log = open(args.out / f"server-{mode}{tag}.log", "w")

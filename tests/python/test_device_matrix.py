@@ -72,3 +72,27 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     broken = rows["row-12-0.7-512-cpu+waves"]
     assert (broken["cold_decode"], broken["arm"]) == ("cpu", "waves")
     assert broken["error"].startswith("no result")
+
+
+def test_gemm_rows_compare_the_table_with_the_control_and_with_itself_off(tmp_path):
+    call1, call2 = tmp_path / "call1", tmp_path / "call2"
+    row_dir(call1, "gemm-llama-8b-off", ([100, 200, 100, 200], [10] * 4), ([100, 190, 100, 200], [10] * 4))
+    row_dir(call2, "gemm-llama-8b-on", ([100, 200, 100, 200], [10] * 4), ([130, 260, 120, 300], [10] * 4),
+            metrics='strata:gemm_matmuls_total{path="default"} 7\nstrata:gemm_matmuls_total{path="blaslt"} 3\n')
+    row_dir(call2, "gemm-m80-on", ([100] * 4, [10] * 4), None)
+    (call2 / "gemm-m80-on.txt").write_text("a log beside the directory, not a row")
+    res = subprocess.run([sys.executable, str(MATRIX), "--commit", "abc1234", str(call1), str(call2)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = {r["dir"]: r for r in json.loads(res.stdout)}
+    assert set(rows) == {"gemm-llama-8b-off", "gemm-llama-8b-on", "gemm-m80-on"}
+    on = rows["gemm-llama-8b-on"]
+    assert (on["kind"], on["model"], on["table"]) == ("gemm", "llama-8b", "on")
+    assert (on["prefill_ratio_min"], on["prefill_ratio_max"]) == (1.2, 1.5)
+    # against the off candidate, request by request: 1.3, 260/190, 1.2, 1.5
+    assert (on["prefill_vs_off_min"], on["prefill_vs_off_max"]) == (1.2, 1.5)
+    assert on["matmuls_by_path"] == {"default": 7, "blaslt": 3}
+    off = rows["gemm-llama-8b-off"]
+    assert (off["prefill_ratio_min"], off["prefill_ratio_max"]) == (0.95, 1.0)
+    assert "prefill_vs_off_min" not in off
+    assert rows["gemm-m80-on"]["error"].startswith("no result")

@@ -52,3 +52,24 @@ def test_the_tuner_builds_and_measures_the_default_on_the_cpu(tmp_path: Path) ->
     bad = subprocess.run([str(out.with_suffix(".bin")), str(out.with_suffix(".shapes")), str(tmp_path / "t2.txt")],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "no GPU backend was loaded" in bad.stderr
+
+
+def test_report_gives_one_row_per_shape_with_the_fastest_candidate_and_the_verdict() -> None:
+    log = "\n".join([
+        "device NVIDIA H100 80GB HBM3: arch sm_90 runtime 13000 blaslt 130100",
+        "q4_K 4096 512 4096 default: 105.20 us, 163.3 TFLOP/s, rel err 0.00e+00",
+        "q4_K 4096 512 4096 mmq: 105.50 us, 162.8 TFLOP/s, rel err 0.00e+00",
+        "q4_K 4096 512 4096 blaslt 0: 79.30 us, 216.7 TFLOP/s, rel err 1.12e-02",
+        "q4_K 4096 512 4096 blaslt 1: 90.00 us, 190.9 TFLOP/s, rel err 1.12e-02",
+        "q4_K 4096 512 4096 blaslt 2: 60.00 us, 286.3 TFLOP/s, rel err 3.00e-01 (rejected)",
+        "q4_K 4096 512 4096: blaslt 0, 1.328x the default",
+        "f32 512 512 2048 default: 17.60 us, 61.0 TFLOP/s, rel err 0.00e+00",
+        "f32 512 512 2048 blaslt 7: 22.70 us, 47.3 TFLOP/s, rel err 3.02e-06",
+        "f32 512 512 2048: the default stays",
+        "q4_K 4096 4096 4096 default: 786.00 us, 174.9 TFLOP/s, rel err 0.00e+00",
+    ])
+    lines = tool().report(log).splitlines()
+    assert len(lines) == 5, lines
+    assert lines[2] == "| q4_K | 4096 | 512 | 4096 | 105.2 | 105.5 | 79.3 (blaslt 0, 1.12e-02) | blaslt 0, 1.328x |"
+    assert lines[3] == "| f32 | 512 | 512 | 2048 | 17.6 | - | 22.7 (blaslt 7, 3.02e-06) | default |"
+    assert lines[4].endswith("| 786.0 | - | - | not finished |")
