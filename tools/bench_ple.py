@@ -3,9 +3,12 @@
 --lazy-mode on) and read from the file by Strata's direct-I/O readers (ssd).
 
 For each arm a fresh strata-server; before it starts, the model file's pages are dropped from the
-page cache with posix_fadvise(DONTNEED), so the first request is cold for the mapping arm. Each
-arm runs a cold request (prompt + decode) and a warm one (the same prompt again, no prompt
-cache), and records prefill and decode t/s from the server's timings, the server's RSS after the
+page cache with posix_fadvise(DONTNEED). It first answers a warm-up request (--warmup-tokens
+token ids none of which the measured prompt uses, so the first request's one-time costs stay out
+of the figures), then the file's pages are dropped again (pages the server has mapped stay: those
+are the weights and the warm-up's rows, which the prompt does not need), so the measured
+request's rows come from storage for the mapping arm and for the pool. Each arm runs that cold
+request (prompt + decode) and a warm one (the same prompt again, no prompt cache), and records prefill and decode t/s from the server's timings, the server's RSS after the
 requests, and bytes it read from storage (/proc/PID/io read_bytes) per prompt token and per
 generated token. Writes matrix.json and a Markdown table.
 
@@ -14,7 +17,8 @@ table gives per arm the median and range over the rounds, and the ratios' median
 rounds (each round's arms ran back to back), for machines whose speed drifts between runs.
 
   tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
-                     [--repeat N] [--ssd-cache-mib N] [--server PATH] [-- more server arguments]
+                     [--repeat N] [--ssd-cache-mib N] [--warmup-tokens N] [--server PATH]
+                     [-- more server arguments]
 
 The prompt is token ids drawn over the vocabulary (seeded), so a batch needs about as many distinct
 rows as varied text would.
@@ -70,6 +74,16 @@ def prompt(n_tokens: int, seed: int) -> list[int]:
     return ids + [rng.choice(ids) for _ in range(n_tokens - len(ids))]
 
 
+def warmup_prompt(n_tokens: int, avoid: set[int]) -> list[int]:
+    rng = random.Random(2)
+    out: list[int] = []
+    while len(out) < n_tokens:
+        t = rng.randrange(1000, 250_000)
+        if t not in avoid:
+            out.append(t)
+    return out
+
+
 def arm(model: Path, mode: str, args, env_extra: dict, tag: str = "") -> dict:
     drop_file_cache(model)
     port = free_port()
@@ -85,7 +99,12 @@ def arm(model: Path, mode: str, args, env_extra: dict, tag: str = "") -> dict:
         wait_healthy(base, proc)
         load_s = time.time() - t0
         io0 = proc_io(proc.pid)
-        body = {"prompt": prompt(args.prompt_tokens, 1), "n_predict": args.predict, "temperature": 0.0,
+        measured = prompt(args.prompt_tokens, 1)
+        if args.warmup_tokens > 0:
+            post_json(base + "/completion", {"prompt": warmup_prompt(args.warmup_tokens, set(measured)), "n_predict": 8,
+                                             "temperature": 0.0, "ignore_eos": True, "cache_prompt": False})
+            drop_file_cache(model)
+        body = {"prompt": measured, "n_predict": args.predict, "temperature": 0.0,
                 "ignore_eos": True, "cache_prompt": False}
         runs = []
         for name in ("cold", "warm"):
@@ -130,6 +149,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--io-threads", default="8")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--warmup-tokens", type=int, default=256, help="the warm-up request's prompt (0: none)")
     ap.add_argument("--ssd-cache-mib", type=int, default=None, help="--ple-cache-mib of the ssd arm (default: the server's)")
     args = ap.parse_args(own)
     args.server_args = server_args
@@ -160,7 +180,8 @@ def main() -> int:
     meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
             "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads, "repeat": args.repeat,
             "ssd_cache_mib": args.ssd_cache_mib, "server": str(args.server), "server_args": server_args,
-            "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm"}
+            "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm and after its warm-up request",
+            "warmup_tokens": args.warmup_tokens}
     out = {"meta": meta, "rows": rows}
     if args.repeat > 1:
         out["summary"] = summary(rows)
