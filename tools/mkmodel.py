@@ -1110,15 +1110,38 @@ def scan_kvs(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
     return raw, counts
 
 
-def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], seed: int) -> None:
+PARALLEL_MIN_BYTES = 256 << 20
+_JOB_TENSORS: list[TensorSpec] = []
+
+
+def _write_tensor(job: tuple[int, int, int, str]) -> None:
+    """Writes tensor i of _JOB_TENSORS at byte `start` of the (pre-sized) file."""
+    i, start, seed, path = job
+    t = _JOB_TENSORS[i]
+    written = 0
+    with open(path, "r+b") as f:
+        f.seek(start)
+        for chunk in tensor_chunks(t, seed):
+            f.write(np.ascontiguousarray(chunk).data)
+            written += chunk.nbytes
+    if written != t.nbytes:
+        raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
+
+
+def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], seed: int, jobs: int = 1) -> None:
+    """Each tensor's bytes depend only on the seed and its name, so with jobs > 1 worker processes
+    write tensors at their offsets in parallel and the file is the same byte for byte."""
+    global _JOB_TENSORS
     tmp = path.with_name(path.name + ".tmp")
     infos = []
+    offsets = []
     offset = 0
     for t in tensors:
         info = _pack_str(t.name) + struct.pack("<I", len(t.ne))
         info += b"".join(struct.pack("<Q", n) for n in t.ne)
         info += struct.pack("<IQ", t.qtype, offset)
         infos.append(info)
+        offsets.append(offset)
         offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
     with open(tmp, "wb") as f:
         f.write(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(tensors), len(kv_blobs)))
@@ -1127,14 +1150,24 @@ def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], see
         for info in infos:
             f.write(info)
         f.write(b"\0" * (-f.tell() % ALIGNMENT))
-        for t in tensors:
-            written = 0
-            for chunk in tensor_chunks(t, seed):
-                chunk.tofile(f)
-                written += chunk.nbytes
-            if written != t.nbytes:
-                raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
-            f.write(b"\0" * (-written % ALIGNMENT))
+        data_start = f.tell()
+        # alignment padding stays zero: the file is sized before any tensor is written
+        f.truncate(data_start + offset)
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes)
+    work = [(i, data_start + offsets[i], seed, str(tmp)) for i in order]
+    _JOB_TENSORS = tensors
+    try:
+        if jobs > 1:
+            import multiprocessing
+            # fork: the workers inherit the tensor specs, whose initializers do not pickle
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for _ in pool.imap_unordered(_write_tensor, work):
+                    pass
+        else:
+            for job in work:
+                _write_tensor(job)
+    finally:
+        _JOB_TENSORS = []
     os.replace(tmp, path)
 
 
@@ -1298,6 +1331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alora-tokens", default="",
                     help="comma-separated token ids: an activated LoRA (aLoRA) invoked by them "
                          "(adapter.alora.invocation_tokens)")
+    ap.add_argument("--jobs", type=int,
+                    help="processes writing tensors (default: up to 8 for models of 256 MiB or more, else 1); "
+                         "the file is the same for any number")
     ap.add_argument("--version", action="version", version=str(GENERATOR_VERSION))
     args = ap.parse_args(argv)
     if args.out is None and not args.dry_run:
@@ -1315,7 +1351,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"total ~{total / 2**20:.1f} MiB in {len(m.tensors)} tensors")
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(args.out, blobs, m.tensors, args.seed)
+    jobs = args.jobs or (min(8, os.cpu_count() or 1) if total >= PARALLEL_MIN_BYTES else 1)
+    write_gguf(args.out, blobs, m.tensors, args.seed, max(1, jobs))
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, {len(m.tensors)} tensors)")
     return 0
 

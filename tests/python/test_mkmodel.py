@@ -569,3 +569,12 @@ def test_mkmodels_lora_entry(tmp_path):
     adapter = gguf.GGUFReader(tmp_path / "tiny-llama-lora.gguf")
     check_lora_against_base(adapter, base, rank=8, alpha=16.0)
     assert run().count("up to date") == 2
+
+
+def test_parallel_writers_give_the_same_file(tmp_path):
+    args = ["--vocab", SMALL_VOCAB, "--seed", "3", "--layers", "2", "--embd", "256", "--expert-ffn", "256", "--quant", "iq3_xxs"]
+    one = generate(tmp_path / "one.gguf", "qwen3moe", *args, "--jobs", "1").read_bytes()
+    three = generate(tmp_path / "three.gguf", "qwen3moe", *args, "--jobs", "3").read_bytes()
+    assert len(one) > 1 << 20
+    assert one == three
+    gguf.GGUFReader(tmp_path / "three.gguf")
