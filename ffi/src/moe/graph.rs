@@ -143,8 +143,15 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // SAFETY: args come from llama.cpp's build_moe_ffn and are live for this call.
     let (n_embd, n_tok) = unsafe { ((*args.cur).ne[0], (*args.cur).ne[2]) };
     let n_used = args.n_expert_used;
-    // SAFETY: selected_experts is a live i32 tensor [n_used, n_tok] (possibly a view).
-    let sel = unsafe { sys::ggml_cont(g.ctx, args.selected_experts) };
+    // SAFETY: selected_experts is a live i32 tensor [n_used, n_tok] (possibly a view). A decode
+    // step's view of one token is already contiguous: no copy kernel for it.
+    let sel = unsafe {
+        if sys::ggml_is_contiguous(args.selected_experts) {
+            args.selected_experts
+        } else {
+            sys::ggml_cont(g.ctx, args.selected_experts)
+        }
+    };
     let prompt = n_tok >= OFFLOAD_MIN_BATCH;
 
     // The counting op runs on the CPU; a host weight among its sources places it there directly.
