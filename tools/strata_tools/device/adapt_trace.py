@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 from strata_tools import NotReady, free_port, post_json, stop, wait_healthy
+from strata_tools.device import split_arms
 
 TIERS = ("vram", "ram", "mmap")
 
@@ -41,22 +42,6 @@ def metrics(url: str) -> dict[str, float]:
 
 def selections(m: dict[str, float]) -> dict[str, float]:
     return {t: m.get(f'strata:expert_selections_total{{tier="{t}"}}', 0.0) for t in TIERS}
-
-
-def split_arms(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """`NAME=BIN ARGS --- NAME=BIN ARGS` into (name, command) pairs."""
-    arms, cur = [], []
-    for a in argv + ["---"]:
-        if a == "---":
-            if cur:
-                name, _, first = cur[0].partition("=")
-                if not first:
-                    raise SystemExit(f"adapt-trace: an arm starts NAME=BIN, not {cur[0]!r}")
-                arms.append((name, [first] + cur[1:]))
-            cur = []
-        else:
-            cur.append(a)
-    return arms
 
 
 def windows(text: str, n: int, chars: int) -> list[str]:
@@ -132,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-chars", type=int, default=600, help="characters of each window's prompt (default 600)")
     ap.add_argument("--model", default="", help="model name for the plot's title")
     args = ap.parse_args(own)
-    arms = split_arms(arms_argv)
+    arms = split_arms(arms_argv, "adapt-trace")
     if not arms:
         ap.error("no arms: -- NAME=BIN ARGS [--- NAME=BIN ARGS]")
     out = Path(args.out)
