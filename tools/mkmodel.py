@@ -1153,7 +1153,8 @@ def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], see
         data_start = f.tell()
         # alignment padding stays zero: the file is sized before any tensor is written
         f.truncate(data_start + offset)
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes)
+    # largest first, so no worker is left with a big tensor at the end; alone, in file order
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes) if jobs > 1 else range(len(tensors))
     work = [(i, data_start + offsets[i], seed, str(tmp)) for i in order]
     _JOB_TENSORS = tensors
     try:
