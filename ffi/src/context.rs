@@ -91,6 +91,7 @@ impl<'m> Context<'m> {
         // Routing that zero-copy MoE layers logged in batches decoded elsewhere (llama.cpp's
         // warm-up) is counted before this batch overwrites it.
         self.count_logged_routing();
+        crate::moe::before_decode(self.model.as_ptr() as usize, batch.raw().n_tokens.into());
         let t0 = std::time::Instant::now();
         crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.

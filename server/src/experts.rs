@@ -104,6 +104,11 @@ impl ExpertConfig {
                     },
                     _ => None,
                 },
+                ring_lend: match std::env::var("STRATA_RING_LEND").as_deref().map(str::trim) {
+                    Err(_) | Ok("") | Ok("0") => false,
+                    Ok("1") => true,
+                    Ok(v) => return Err(format!("STRATA_RING_LEND: invalid value '{v}': expected 1 (lend the prefill ring's slots to decode between prompt batches) or 0")),
+                },
                 cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
                     Err(_) | Ok("") => None,
                     Ok("cpu") => Some(moe::ColdDecode::Cpu),
@@ -456,6 +461,9 @@ impl Residency {
                     ("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls),
                     ("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches),
                     ("prefill_ring_waves_total", "counter", "Passes after a layer's first through the ring that computed cold experts", r.waves),
+                    ("prefill_ring_lent_experts", "gauge", "Cold experts decode reads from ring slots lent to it between prompt batches", r.lent),
+                    ("prefill_ring_lent_bytes_total", "counter", "Bytes copied into ring slots lent to decode", r.lent_bytes),
+                    ("prefill_ring_lent_selections_total", "counter", "Decode selections served from ring slots lent to decode", r.lent_hits),
                 ],
             );
         }

@@ -328,6 +328,54 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
 }
 
 #[test]
+fn ring_slots_lent_to_decode_between_prompt_batches_keep_the_output() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let (ref_short, ref_long) = unsplit(m);
+    let dir = tmp("ring-lend");
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 64 << 20);
+    let env = [
+        ("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()),
+        ("STRATA_RING_EMULATE", "1"),
+        ("STRATA_PREFILL_RING", "40"),
+        ("STRATA_COLD_DECODE", "mapped"),
+        ("STRATA_RING_LEND", "1"),
+    ];
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+    let s = Server::start(&args, &env);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("its slots hold the most selected cold experts of the 4 layers whose decode reads them"), "{log}");
+    // The long prompt's batch takes the ring; decode then reads the lent slots.
+    assert_same(&ref_long, &generate(&s, LONG), "lent ring, long prompt");
+    let (lent, served) = (counter(&s, "prefill_ring_lent_experts"), counter(&s, "prefill_ring_lent_selections_total"));
+    assert!(lent > 0 && lent <= 40, "experts lent: {lent}");
+    assert!(served > 0, "decode read lent slots");
+    assert!(counter(&s, "prefill_ring_lent_bytes_total") > 0);
+    // A short prompt leaves the ring alone; the next long one takes the slots back, after which
+    // decode's maps are restored and the slots lent again.
+    assert_same(&ref_short, &generate(&s, SHORT), "lent ring, short prompt");
+    let bytes = counter(&s, "prefill_ring_lent_bytes_total");
+    assert_same(&ref_long, &generate(&s, LONG), "lent ring, long prompt again");
+    assert!(counter(&s, "prefill_ring_lent_bytes_total") > bytes, "lent again after the prompt batch");
+    assert!(counter(&s, "prefill_ring_lent_selections_total") > served);
+    drop(s);
+
+    // Adapting from an even placement while slots are lent: swaps rewrite decode's maps with
+    // the lent slots kept.
+    let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "4"], &env);
+    assert_same(&ref_long, &generate(&s, LONG), "lent ring and adaptation, long prompt");
+    assert_same(&ref_short, &generate(&s, SHORT), "lent ring and adaptation, short prompt");
+    assert!(counter(&s, "expert_swaps_total") > 0, "swaps ran");
+    assert!(counter(&s, "prefill_ring_lent_selections_total") > 0, "decode read lent slots");
+    drop(s);
+
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_RING_LEND", "yes")]);
+    assert_ne!(out.status, 0);
+    assert!(out.stderr.contains("STRATA_RING_LEND: invalid value 'yes'"), "{}", out.stderr);
+}
+
+#[test]
 fn a_recorded_profile_ranks_every_expert_and_is_tied_to_the_model() {
     let dir = tmp("profile");
     let profile = record_profile(&dir);

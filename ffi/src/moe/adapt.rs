@@ -296,13 +296,10 @@ fn publish(lt: &LayerTiers) {
     if let Some(m) = lt.cold_map {
         set_map(m, &copy_map_of(&cold_rows, lt.n_cold));
     }
-    if let Some(z) = lt.zero_copy.as_ref() {
-        set_map(z.skip_map, &cold_rows);
-        if let Some(m) = z.hot_skip_map {
-            set_map(m, &hot_slots);
-        }
-    }
+    let lent = lt.ring.as_ref().map_or_else(Vec::new, |(ring, i)| ring.lent_to(*i));
     if let Some((ring, i)) = lt.ring.as_ref() {
         ring.reassign(*i, cold_rows, hot_slots.clone());
     }
+    drop(hot_slots);
+    lt.write_decode_maps(&lent);
 }

@@ -224,7 +224,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // routing, skipping the other's experts; no CPU op, so the step stays one device graph.
     if let Some(zc) = lt.zero_copy.as_ref().filter(|_| n_tok <= zero_copy::MAX_TOKENS && lt.n_cold > 0) {
         let hot_ids = |hot: &super::Hot| zc.hot_skip_map.map_or_else(|| g.remap_positions(hot.map, sel), |m| g.remap(m, sel));
-        let down_hot = lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false));
+        // With ring slots lent to decode, the hot chain reads the whole window: hot and lent slots.
+        let down_hot = match (lt.decode_window.as_ref().filter(|_| lt.lendable()), zc.hot_skip_map) {
+            (Some(w), Some(m)) => g.ffn("strata_hot_mm", w, g.remap(m, sel), act, false),
+            _ => lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false)),
+        };
         let down_cold = g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?;
         // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
         unsafe {

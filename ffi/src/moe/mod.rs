@@ -141,6 +141,9 @@ pub struct Switches {
     /// The least chance of use for which the ring prefetches a cold expert
     /// (STRATA_RING_PREFETCH_MIN_P; None: ring::PREFETCH_MIN_P).
     pub ring_prefetch_min_p: Option<f64>,
+    /// Between prompt batches the ring's slots hold decode's next-best cold experts
+    /// (STRATA_RING_LEND=1; zero-copy decode only).
+    pub ring_lend: bool,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -174,11 +177,18 @@ pub struct Tally {
     per_expert: Vec<AtomicU64>,
     /// Cold experts copied to the staging slots in decode (`--pcie-frac`).
     pub uploads: AtomicU64,
+    /// Cold selections decode read from ring slots lent to it.
+    pub lent_hits: AtomicU64,
 }
 
 impl Tally {
     fn new(n_expert: usize) -> Self {
-        Self { hits: Default::default(), per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect(), uploads: AtomicU64::new(0) }
+        Self {
+            hits: Default::default(),
+            per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect(),
+            uploads: AtomicU64::new(0),
+            lent_hits: AtomicU64::new(0),
+        }
     }
 }
 
@@ -282,6 +292,11 @@ pub(crate) struct LayerTiers {
     pub ring: Option<(Arc<ring::Ring>, usize)>,
     /// Tensors over the ring's other half (odd passes of a layer in waves), when it may take them.
     pub ring_other: Option<Mats<T>>,
+    /// The window again for decode, whose hot tier then includes ring slots lent to it between
+    /// prompt batches (own tensors: the prompt path leaves bounds on the window's).
+    pub decode_window: Option<Mats<T>>,
+    /// expert -> decode reads it from a lent ring slot.
+    lent: Vec<std::sync::atomic::AtomicBool>,
     /// The most passes through the ring, and those the graph being computed has.
     max_passes: usize,
     passes: std::sync::atomic::AtomicUsize,
@@ -319,6 +334,32 @@ impl LayerTiers {
 
     pub(crate) fn n_expert(&self) -> usize {
         self.cold_rows.len()
+    }
+
+    /// Whether decode reads this layer's hot tier through its window, so ring slots can be lent to it.
+    pub(crate) fn lendable(&self) -> bool {
+        self.decode_window.is_some() && self.zero_copy.as_ref().is_some_and(|z| z.hot_skip_map.is_some())
+    }
+
+    /// Writes zero-copy decode's two maps from the record of where each expert is, with `lent`
+    /// (expert, window slot) read from ring slots instead of the RAM copy while still cold.
+    pub(crate) fn write_decode_maps(&self, lent: &[(i32, usize)]) {
+        let Some(z) = self.zero_copy.as_ref() else { return };
+        let mut hot: Vec<i32> = self.hot_slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut cold: Vec<i32> = self.cold_rows.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+        self.lent.iter().for_each(|f| f.store(false, Ordering::Relaxed));
+        if self.lendable() {
+            for &(e, slot) in lent {
+                let Some(e) = usize::try_from(e).ok().filter(|&e| cold.get(e).is_some_and(|&r| r >= 0)) else { continue };
+                cold[e] = -1;
+                hot[e] = slot as i32;
+                self.lent[e].store(true, Ordering::Relaxed);
+            }
+        }
+        set_map(z.skip_map, &cold);
+        if let Some(m) = z.hot_skip_map {
+            set_map(m, &hot);
+        }
     }
 
     pub(crate) fn cold_row(&self, e: i32) -> Option<usize> {
@@ -547,6 +588,36 @@ pub fn hits() -> [u64; 3] {
     out
 }
 
+/// Before a batch of `model`; one of at most zero_copy::MAX_TOKENS tokens reads decode's maps:
+/// then, with STRATA_RING_LEND=1, moves the rings' lending on ([`ring::Ring::lend_step`]) and writes
+/// the decode maps of the layers it changed. The device is idle (the last batch has ended).
+pub(crate) fn before_decode(model: usize, n_tokens: i64) {
+    if !LEND.load(Ordering::Relaxed) || n_tokens > zero_copy::MAX_TOKENS {
+        return;
+    }
+    let Ok(r) = REGISTRY.read() else { return };
+    let layers: Vec<&Arc<LayerTiers>> = r.as_ref().into_iter().flat_map(HashMap::values).filter(|lt| lt.model == model && lt.ring.is_some()).collect();
+    let mut rings: Vec<&Arc<ring::Ring>> = Vec::new();
+    for lt in &layers {
+        if let Some((ring, _)) = lt.ring.as_ref() {
+            if !rings.iter().any(|x| Arc::ptr_eq(x, ring)) {
+                rings.push(ring);
+            }
+        }
+    }
+    for ring in rings {
+        let of = |i: usize| layers.iter().find(|lt| lt.ring.as_ref().is_some_and(|(r, j)| Arc::ptr_eq(r, ring) && *j == i));
+        for (i, lent) in ring.lend_step(&|i| of(i).is_some_and(|lt| lt.lendable())) {
+            if let Some(lt) = of(i) {
+                lt.write_decode_maps(&lent);
+            }
+        }
+    }
+}
+
+/// Set when a model's ring lends its slots to decode.
+static LEND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Counts the selections that zero-copy decode steps of `model` logged since the last call.
 /// Called after a batch's graph has finished (Context::decode synchronises its context first).
 pub(crate) fn after_decode(model: usize) {
@@ -558,6 +629,8 @@ pub(crate) fn after_decode(model: usize) {
             z.take_log(&mut sel);
             if !sel.is_empty() {
                 kernels::tally(lt, &sel);
+                let lent = sel.iter().filter(|&&e| usize::try_from(e).ok().and_then(|e| lt.lent.get(e)).is_some_and(|f| f.load(Ordering::Relaxed))).count();
+                lt.tally.lent_hits.fetch_add(lent as u64, Ordering::Relaxed);
             }
         }
     }
@@ -585,6 +658,11 @@ pub struct RingCounters {
     pub stalls: u64,
     pub batches: u64,
     pub waves: u64,
+    /// Experts decode reads from lent ring slots now, the bytes copied to lend them, and the
+    /// decode selections served there.
+    pub lent: u64,
+    pub lent_bytes: u64,
+    pub lent_hits: u64,
 }
 
 /// Every prefill ring built, for /metrics (dropped with the last layer that uses it).
@@ -604,6 +682,11 @@ pub fn ring_stats() -> Option<RingCounters> {
         o.stalls += s.stalls.load(Ordering::Relaxed);
         o.batches += s.batches.load(Ordering::Relaxed);
         o.waves += s.waves.load(Ordering::Relaxed);
+        o.lent += ring.lent_now() as u64;
+        o.lent_bytes += s.lent_bytes.load(Ordering::Relaxed);
+    }
+    if let (Some(o), Ok(r)) = (out.as_mut(), REGISTRY.read()) {
+        o.lent_hits = r.as_ref().into_iter().flat_map(HashMap::values).map(|lt| lt.tally.lent_hits.load(Ordering::Relaxed)).sum();
     }
     out
 }
@@ -852,18 +935,20 @@ fn set_map(t: T, map: &[i32]) {
 
 /// A layer's ring tensors: its windows, the hot tensors within them, and (for passes in waves)
 /// tensors over the other half of the ring.
-type Windows = (Mats<T>, Mats<T>, Option<Mats<T>>);
+type Windows = (Mats<T>, Mats<T>, Option<Mats<T>>, Mats<T>);
+/// Per matrix: the window, hot, other-half and decode tensors.
+type WindowParts = (T, T, Option<T>, T);
 
 /// Allocates a layer's windows: per matrix, `head_slots` experts of its own (hot experts, then
 /// pads) followed by the ring. Returns the window tensors ([head_slots + ring slots]), the hot
-/// tensors over their first `head_slots` experts and, with `other`, tensors over the ring's
-/// other half alone.
+/// tensors over their first `head_slots` experts, with `other` tensors over the ring's other
+/// half alone, and decode's tensors over the whole window.
 fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i32, other: bool, owned: &mut Owned) -> Result<Windows, PlaceError> {
     let a = Alloc::new(12);
     owned.ctxs.push(a.ctx);
     let mut kind = 0usize;
     let mut err = None;
-    let pair = |t: T| -> Option<(T, T, Option<T>)> {
+    let pair = |t: T| -> Option<WindowParts> {
         let m = kind;
         kind += 1;
         // SAFETY: t is a live 3-d model tensor.
@@ -887,6 +972,7 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         owned.bufs.push(buf);
         let win = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.window"));
         let hot = a.like(t, head_slots, &format!("blk.{il}.exps.hot"));
+        let dec = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.decode_window"));
         let alloc_err = || PlaceError::Alloc {
             what: format!("layer {il} expert window tensors"),
             bytes: (head + ring_bytes) as u64,
@@ -898,6 +984,7 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
             let base = sys::ggml_backend_buffer_get_base(buf);
             if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS
                 || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS
+                || sys::ggml_backend_tensor_alloc(buf, dec, base) != sys::GGML_STATUS_SUCCESS
             {
                 err = Some(alloc_err());
                 return None;
@@ -923,13 +1010,14 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         } else {
             None
         };
-        Some((win, hot, rest))
+        Some((win, hot, rest, dec))
     };
     let parts = src.map(pair);
     match (parts, err) {
         (Some(p), None) => {
-            let rest = other.then(|| p.map(|(_, _, o)| o)).flatten();
-            Ok((p.map(|(w, _, _)| Some(w)).expect("infallible"), p.map(|(_, h, _)| Some(h)).expect("infallible"), rest))
+            let rest = other.then(|| p.map(|(_, _, o, _)| o)).flatten();
+            let part = |f: fn(&WindowParts) -> T| p.map(|x| Some(f(&x))).expect("infallible");
+            Ok((part(|x| x.0), part(|x| x.1), rest, part(|x| x.3)))
         }
         (_, Some(e)) => Err(e),
         (None, None) => Err(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: 0, device: "the hot tier's device".into() }),
@@ -988,6 +1076,15 @@ fn start_ring(
         line += "; cost model not measured (no cold expert to time): prompt batches always take the ring";
     }
     line += &format!("; prefetch: cold experts used with a chance of at least {}", r.prefetch_min_p());
+    let lending = entries.iter().filter(|(_, lt)| lt.ring.is_some() && lt.lendable()).count();
+    if lending > 0 {
+        LEND.store(true, Ordering::Relaxed);
+        line += &format!(
+            "; between prompt batches its slots hold the most selected cold experts of the {lending} layers whose decode reads them (STRATA_RING_LEND=1), taken back by the next prompt batch"
+        );
+    } else if plan.switches.ring_lend {
+        line += "; STRATA_RING_LEND=1 lends nothing: no windowed layer decodes with zero-copy reads";
+    }
     if r.emulated {
         line += "; emulated, every prompt batch takes it";
     }
@@ -1106,11 +1203,11 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // Passes in waves need the backend to skip ids of -1: the CPU's kernels do, a GPU's
         // only for quantized experts (patches/0006).
         let max_passes = if quantized || !gpu { plan.switches.ring_waves.unwrap_or(if gpu { 1 } else { 4 }).clamp(1, ring::MAX_PASSES) } else { 1 };
-        let (mut window, mut ring_other) = (None, None);
+        let (mut window, mut ring_other, mut decode_window) = (None, None, None);
         let hot_mats = match windowed {
             Some(r) => {
-                let (w, h, o) = windows(r, &src, n_hot + n_used, plan.ring_half, il, max_passes > 1, &mut owned)?;
-                (window, ring_other) = (Some(w), o);
+                let (w, h, o, d) = windows(r, &src, n_hot + n_used, plan.ring_half, il, max_passes > 1, &mut owned)?;
+                (window, ring_other, decode_window) = (Some(w), o, Some(d));
                 (n_hot > 0).then_some(h)
             }
             None => (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible")),
@@ -1120,7 +1217,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
         let skip_map = zc_layer.then(|| a.map(n_expert, &format!("blk.{il}.exps.skip_map")));
-        let hot_skip_map = (zc_layer && n_hot > 0).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
+        // Decode's hot chain also runs without hot experts when ring slots may be lent to it.
+        let lend_layer = plan.switches.ring_lend && windowed.is_some();
+        let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -1153,12 +1252,12 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         for (slot, &e) in hot_list.iter().enumerate() {
             hot_slots[e] = slot as i32;
         }
+        if let Some(m) = zero_copy.as_ref().and_then(|z| z.hot_skip_map) {
+            set_map(m, &hot_slots);
+        }
         let hot = match (hot_mats, hot_map) {
             (Some(mats), Some(map)) => {
                 copy_experts(&src, &mats, &hot_list);
-                if let Some(m) = zero_copy.as_ref().and_then(|z| z.hot_skip_map) {
-                    set_map(m, &hot_slots);
-                }
                 (0..n_used).for_each(|j| mats.iter().for_each(|d| zero_expert(d, n_hot + j)));
                 set_map(map, &hot_map_of(&hot_slots, n_hot, n_used));
                 Some(Hot { mats, map })
@@ -1267,6 +1366,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 window,
                 ring: ring_entry,
                 ring_other,
+                decode_window: decode_window.filter(|_| lend_layer),
+                lent: (0..n_expert).map(|_| std::sync::atomic::AtomicBool::new(false)).collect(),
                 max_passes,
                 passes: std::sync::atomic::AtomicUsize::new(1),
                 zero_copy,

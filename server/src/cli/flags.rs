@@ -282,6 +282,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_RING_LEND",
+        help: "1 = between prompt batches the prefill ring's slots hold the most selected cold experts for zero-copy decode to read from VRAM; the next prompt batch takes them back (default 0)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_RING_TRACE",
         help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
         effect: Effect::Experts,
