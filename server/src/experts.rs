@@ -91,7 +91,6 @@ impl ExpertConfig {
                 },
                 ring_copy_pace: match std::env::var("STRATA_RING_COPY_PACE_KIB") {
                     Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
-                        Ok(0) => None,
                         Ok(n) if n <= 1 << 22 => Some(n << 10),
                         _ => return Err(format!("STRATA_RING_COPY_PACE_KIB: invalid value '{v}': expected KiB the prefill ring's copier issues before it waits, 0 to 4194304 (0: no pace)")),
                     },

@@ -282,6 +282,8 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
         let what = format!("ring of 8 slots, {workers} workers, {waves} passes");
         let prefetch = format!("prefetch: cold experts used with a chance of at least {}", if min_p.is_empty() { "0.02" } else { min_p });
         assert!(log.contains(&prefetch), "{what}: {log}");
+        let paced = if pace == "0" { "copies unpaced".to_string() } else { format!("copies paced, {pace} KiB at a time") };
+        assert!(log.contains(&paced), "{what}: {log}");
         assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
         assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
         assert!(counter(&s, "prefill_ring_batches_total") >= 1);

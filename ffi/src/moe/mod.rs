@@ -133,10 +133,11 @@ pub struct Switches {
     /// Where the ring writes its per-layer timeline (STRATA_RING_TRACE).
     pub ring_trace: Option<std::path::PathBuf>,
     /// The most passes through the ring a layer's prompt batch may take (STRATA_RING_WAVES;
-    /// None: 4 in the emulation, 1 on a device until the passes are measured there).
+    /// None: ring::DEFAULT_PASSES).
     pub ring_waves: Option<usize>,
     /// The ring's copier issues at most this many bytes before it waits for them
-    /// (STRATA_RING_COPY_PACE_KIB; None: a job's copies at once).
+    /// (STRATA_RING_COPY_PACE_KIB; Some(0): a job's copies at once; None: ring::DEVICE_PACE on a
+    /// device, none in the emulation).
     pub ring_copy_pace: Option<usize>,
     /// The least chance of use for which the ring prefetches a cold expert
     /// (STRATA_RING_PREFETCH_MIN_P; None: ring::PREFETCH_MIN_P).
@@ -1043,11 +1044,12 @@ fn start_ring(
         // SAFETY: the CPU device exists whenever the CPU backend is loaded.
         Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) })
     };
-    r.start(staging_buft, expert_bytes, plan.switches.ring_copy_pace, plan.switches.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc {
-        what: e,
-        bytes: 0,
-        device: "host".into(),
-    })?;
+    let pace = match plan.switches.ring_copy_pace {
+        Some(0) => None,
+        Some(b) => Some(b),
+        None => (!r.emulated).then_some(ring::DEVICE_PACE),
+    };
+    r.start(staging_buft, expert_bytes, pace, plan.switches.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
     let cpu = entries.iter().find(|(_, lt)| lt.ring.is_some()).and_then(|(_, lt)| ring::measure_cpu(lt, 16));
@@ -1076,6 +1078,10 @@ fn start_ring(
         line += "; cost model not measured (no cold expert to time): prompt batches always take the ring";
     }
     line += &format!("; prefetch: cold experts used with a chance of at least {}", r.prefetch_min_p());
+    line += &match pace {
+        Some(b) => format!("; copies paced, {} KiB at a time", b >> 10),
+        None => "; copies unpaced".to_string(),
+    };
     let lending = entries.iter().filter(|(_, lt)| lt.ring.is_some() && lt.lendable()).count();
     if lending > 0 {
         LEND.store(true, Ordering::Relaxed);
@@ -1202,7 +1208,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let windowed = ring.as_ref().filter(|_| n_cold > 0 && (copy.is_some() || info.host));
         // Passes in waves need the backend to skip ids of -1: the CPU's kernels do, a GPU's
         // only for quantized experts (patches/0006).
-        let max_passes = if quantized || !gpu { plan.switches.ring_waves.unwrap_or(if gpu { 1 } else { 4 }).clamp(1, ring::MAX_PASSES) } else { 1 };
+        let max_passes = if quantized || !gpu { plan.switches.ring_waves.unwrap_or(ring::DEFAULT_PASSES).clamp(1, ring::MAX_PASSES) } else { 1 };
         let (mut window, mut ring_other, mut decode_window) = (None, None, None);
         let hot_mats = match windowed {
             Some(r) => {

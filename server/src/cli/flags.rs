@@ -268,12 +268,12 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_RING_WAVES",
-        help: "most passes through the prefill ring per layer and prompt batch, 1-8 (used cold experts beyond a half take further passes through the other half, copied while the previous pass computes; default 1 on a GPU, where passes are not yet measured, 4 in the CPU emulation)",
+        help: "most passes through the prefill ring per layer and prompt batch, 1-8 (used cold experts beyond a half take further passes through the other half, copied while the previous pass computes; default 4)",
         effect: Effect::Experts,
     },
     EnvVar {
         name: "STRATA_RING_COPY_PACE_KIB",
-        help: "the prefill ring's copier issues at most N KiB of host-to-device copies before it waits for them, so that a batch's own small copies do not queue behind a whole prefetch (default 0: each job's copies at once)",
+        help: "the prefill ring's copier issues at most N KiB of host-to-device copies before it waits for them, so that a batch's own small copies do not queue behind a whole prefetch (default 16384 on a GPU, 0 in the CPU emulation; 0: each job's copies at once)",
         effect: Effect::Experts,
     },
     EnvVar {
