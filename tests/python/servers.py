@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -23,3 +25,13 @@ def start(binary: Path, args: list[str], stderr=subprocess.DEVNULL) -> tuple[sub
         proc.kill()
         pytest.fail(f"{binary} {e}")
     return proc, url
+
+
+def load_tool(path: Path):
+    """A tool script without a .py suffix (tools/device/decodediag, tools/tune-gemm ...) as a module."""
+    name = path.name.replace("-", "_")
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    spec = importlib.util.spec_from_loader(name, loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod

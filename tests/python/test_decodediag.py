@@ -3,14 +3,14 @@ strata-server on a tiny MoE (the second through `env`), with the summary it writ
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from servers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "device" / "decodediag"
@@ -19,11 +19,7 @@ MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe-iq3.gguf"
 
 
 def tool():
-    loader = importlib.machinery.SourceFileLoader("decodediag", str(TOOL))
-    spec = importlib.util.spec_from_loader("decodediag", loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_tool(TOOL)
 
 
 def test_arms_are_split_on_triple_dashes_and_named_by_their_first_word():

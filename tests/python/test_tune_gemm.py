@@ -4,14 +4,14 @@ smoke mode: the GPU candidates need the GPU machine)."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from servers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
@@ -20,11 +20,7 @@ INCLUDE = REPO / "vendor/llama.cpp/ggml/include"
 
 
 def tool():
-    loader = importlib.machinery.SourceFileLoader("tune_gemm", str(REPO / "tools/tune-gemm"))
-    spec = importlib.util.spec_from_loader("tune_gemm", loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
+    return load_tool(REPO / "tools/tune-gemm")
 
 
 @pytest.mark.skipif(not MODEL.exists(), reason="needs tools/setup (tiny models)")
