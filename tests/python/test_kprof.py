@@ -1,0 +1,54 @@
+"""tools/device/kprof: ncu's CSV read into kernels, decode steps found from the end of the log,
+and the ncu command line it builds (no GPU here: the run itself is for the device machine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servers import load_tool
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "device" / "kprof"
+
+
+def tool():
+    return load_tool(TOOL)
+
+
+HEAD = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+
+
+def row(i: int, name: str, grid: str, value: str, unit: str = "nsecond") -> str:
+    return (f'"{i}","1","strata-server","h","{name}","1","7","(128, 1, 1)","{grid}","0","9.0",'
+            f'"Command line profiler metrics","gpu__time_duration.sum","{unit}","{value}"')
+
+
+def test_the_csv_gives_kernels_in_launch_order_in_microseconds():
+    text = "\n".join(["==PROF== Connected to process 1", HEAD,
+                      row(1, "void k_b<float, 2>(const float *, int)", "(4, 1, 1)", "2,500"),
+                      row(0, "void rms_norm_f32<1024>(const float *, float *)", "(1, 1, 1)", "1.5", "usecond")])
+    k = tool().parse_ncu_csv(text)
+    assert [x["name"] for x in k] == ["rms_norm_f32<1024>", "k_b<float, 2>"]
+    assert [x["us"] for x in k] == [1.5, 2.5]
+
+
+def test_decode_steps_are_the_repeated_tail_without_the_first():
+    t = tool()
+    mk = lambda names: [{"name": n, "grid": "g", "block": "b", "us": 1.0 + i} for i, n in enumerate(names)]
+    prompt = mk(["load", "p1", "p2", "mm", "out"])
+    step = ["norm", "mm", "mm", "add", "out"]
+    first = mk(["norm", "mm", "add", "out"])
+    kernels = prompt + first + mk(step) * 4
+    steps = t.decode_steps(kernels)
+    assert len(steps) == 3 and all([k["name"] for k in s] == step for s in steps)
+    s = t.step_summary(steps)
+    assert s["kernels_per_step"] == 5 and s["gpu_us_per_step"] == 15.0
+    assert s["by_kernel"][0] == {"name": "mm", "launches_per_step": 2.0, "us_per_step": 5.0}
+    assert t.decode_steps(mk(["a", "b", "c"])) == []
+
+
+def test_ncu_wraps_the_server_and_an_env_prefix_stays_in_front():
+    cmd = tool().profiled_command(["env", "A=1", "B=x=y", "srv", "-m", "m"], "ncu", Path("/o/a.csv"))
+    assert cmd[:3] == ["env", "A=1", "B=x=y"] and cmd[3] == "ncu"
+    assert cmd[-3:] == ["srv", "-m", "m"] and "gpu__time_duration.sum" in cmd and "/o/a.csv" in cmd
+    assert tool().profiled_command(["srv"], "ncu", Path("x"))[0] == "ncu"
