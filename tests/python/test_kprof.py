@@ -3,12 +3,19 @@ and the ncu command line it builds (no GPU here: the run itself is for the devic
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from servers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "device" / "kprof"
+SERVER = REPO / "target" / "release" / "strata-server"
+MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe-iq3.gguf"
 
 
 def tool():
@@ -52,3 +59,41 @@ def test_ncu_wraps_the_server_and_an_env_prefix_stays_in_front():
     assert cmd[:3] == ["env", "A=1", "B=x=y"] and cmd[3] == "ncu"
     assert cmd[-3:] == ["srv", "-m", "m"] and "gpu__time_duration.sum" in cmd and "/o/a.csv" in cmd
     assert tool().profiled_command(["srv"], "ncu", Path("x"))[0] == "ncu"
+
+
+FAKE_NCU = """#!/usr/bin/env python3
+# Stands in for ncu: runs the command after its options and, when that ends, copies a prepared
+# log of kernels to --log-file.
+import shutil, signal, subprocess, sys
+args, i, log = sys.argv[1:], 0, None
+while i < len(args) and args[i].startswith("--"):
+    if args[i] == "--log-file":
+        log = args[i + 1]
+    i += 1 if args[i] == "--csv" else 2
+signal.signal(signal.SIGTERM, lambda *_: None)
+subprocess.Popen(args[i:]).wait()
+shutil.copy(sys.argv[0] + ".csv", log)
+"""
+
+
+@pytest.mark.skipif(not (SERVER.exists() and MODEL.exists()), reason="needs tools/setup")
+def test_a_run_stops_the_server_under_ncu_and_reads_its_log(tmp_path):
+    # A prompt, then five identical decode steps of three kernels (norm 3 us, mmvq 1, out 2).
+    names = ["prompt_a", "prompt_b"] + ["norm", "mmvq", "out"] * 5
+    ncu = tmp_path / "ncu"
+    ncu.write_text(FAKE_NCU)
+    ncu.chmod(0o755)
+    rows = [row(n, k, "(2, 1, 1)", str(1000 * (n % 3 + 1))) for n, k in enumerate(names)]
+    (tmp_path / "ncu.csv").write_text("==PROF== Disconnected from process\n" + "\n".join([HEAD] + rows) + "\n")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 10)
+    res = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "out"), "--prompt-file", str(prompt), "--ncu", str(ncu),
+                          "--prompt-tokens", "16", "--predict", "4", "--", f"tiny={SERVER}", "-m", str(MODEL), "-c", "512", "-t", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr + res.stdout
+    r = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert r["timings"]["predicted_n"] == 4
+    assert r["kernels_logged"] == 17 and r["steps"] == 4 and r["kernels_per_step"] == 3
+    assert [(k["name"], k["us_per_step"]) for k in r["by_kernel"]] == [("norm", 3.0), ("out", 2.0), ("mmvq", 1.0)]
+    assert r["gpu_us_per_step"] == 6.0
+    assert "tiny" in (tmp_path / "out" / "summary.txt").read_text()
