@@ -96,4 +96,6 @@ def test_a_run_stops_the_server_under_ncu_and_reads_its_log(tmp_path):
     assert r["kernels_logged"] == 17 and r["steps"] == 4 and r["kernels_per_step"] == 3
     assert [(k["name"], k["us_per_step"]) for k in r["by_kernel"]] == [("norm", 3.0), ("out", 2.0), ("mmvq", 1.0)]
     assert r["gpu_us_per_step"] == 6.0
+    step = (tmp_path / "out" / "tiny.step.tsv").read_text().splitlines()
+    assert [l.split("\t")[0] for l in step[1:]] == [n for n in names[-3:]], step
     assert "tiny" in (tmp_path / "out" / "summary.txt").read_text()
