@@ -179,8 +179,9 @@ fn split_experts_match_the_unsplit_model() {
 
 /// The zero-copy decode graph (STRATA_COLD_DECODE=mapped), run on the CPU: the hot tier and the
 /// RAM copy each take a mul_mat_id over the same routing, the copy's skipping hot experts
-/// (negative ids, patches/0006), and the routing log is counted after each step as the CPU
-/// kernels count it.
+/// (negative ids, patches/0006), or with STRATA_DECODE_TABLE=1 one mul_mat_id reads every expert
+/// through a table of pointers (patches/0008); the routing log is counted after each step as the
+/// CPU kernels count it.
 #[test]
 fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() {
     let m = model(MODEL);
@@ -192,21 +193,26 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     let root = guard_root(&dir, 64 << 20);
     let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
     let mut selections = Vec::new();
-    for mode in ["cpu", "mapped"] {
-        let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode)];
+    for (mode, table) in [("cpu", "0"), ("mapped", "0"), ("mapped", "1")] {
+        let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode), ("STRATA_DECODE_TABLE", table)];
         let s = Server::start(&args, &env);
-        assert_same(&ref_short, &generate(&s, SHORT), &format!("{mode} decode, short prompt"));
-        assert_same(&ref_long, &generate(&s, LONG), &format!("{mode} decode, long prompt"));
+        let what = format!("{mode} decode (tables {table})");
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
         selections.push([metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")]);
         let log = s.log.lock().unwrap().clone();
         let zero_copy = log.contains("from the page-locked RAM copy in 4 of 4 tiered layers (zero-copy");
         assert_eq!(zero_copy, mode == "mapped", "{log}");
+        assert_eq!(log.contains("every expert through a table of pointers"), zero_copy && table == "1", "{log}");
     }
     assert!(selections[0][1] > 0, "{selections:?}");
     assert_eq!(selections[0], selections[1], "selections by tier (vram, ram): CPU decode vs zero-copy decode");
+    assert_eq!(selections[0], selections[2], "selections by tier (vram, ram): CPU decode vs zero-copy decode through tables");
 
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_COLD_DECODE", "gpu")]);
     assert!(out.stderr.contains("STRATA_COLD_DECODE: invalid value 'gpu'"), "{}", out.stderr);
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_DECODE_TABLE", "yes")]);
+    assert!(out.stderr.contains("STRATA_DECODE_TABLE: invalid value 'yes'"), "{}", out.stderr);
 }
 
 fn counter(s: &Server, name: &str) -> u64 {
@@ -363,6 +369,16 @@ fn ring_slots_lent_to_decode_between_prompt_batches_keep_the_output() {
     assert!(counter(&s, "prefill_ring_lent_selections_total") > served);
     drop(s);
 
+    // Through tables of expert pointers, the lent slots are entries of the same tables.
+    let mut tables = env.to_vec();
+    tables.push(("STRATA_DECODE_TABLE", "1"));
+    let s = Server::start(&args, &tables);
+    assert_same(&ref_long, &generate(&s, LONG), "lent ring through tables, long prompt");
+    assert_same(&ref_short, &generate(&s, SHORT), "lent ring through tables, short prompt");
+    assert_same(&ref_long, &generate(&s, LONG), "lent ring through tables, long prompt again");
+    assert!(counter(&s, "prefill_ring_lent_selections_total") > 0, "decode read lent slots through tables");
+    drop(s);
+
     // Adapting from an even placement while slots are lent: swaps rewrite decode's maps with
     // the lent slots kept.
     let s = Server::start(&["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "4"], &env);
@@ -468,6 +484,9 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("(zero-copy, one device graph per step"), "{log}");
+    drop(s);
+    let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", "mapped"), ("STRATA_DECODE_TABLE", "1")]);
+    assert_same(&want, &generate(&s, LONG), "MTP drafting over zero-copy decode through tables");
 }
 
 /// A model with MTP layers served without MTP drafting: llama.cpp does not load those layers, and
@@ -571,8 +590,9 @@ fn adaptation_follows_the_routing_and_keeps_the_output() {
 
     // The other decode paths read the maps a swap rewrites: zero-copy decode's skip maps, the
     // worker pool, the prefill ring's record of which expert is where.
-    let variants: [Variant; 3] = [
+    let variants: [Variant; 4] = [
         ("zero-copy decode", &[], &[("STRATA_COLD_DECODE", "mapped")]),
+        ("zero-copy decode through tables", &[], &[("STRATA_COLD_DECODE", "mapped"), ("STRATA_DECODE_TABLE", "1")]),
         ("worker pool", &["--pool-workers", "2"], &[]),
         ("prefill ring", &[], &[("STRATA_RING_EMULATE", "1"), ("STRATA_PREFILL_RING", "40")]),
     ];

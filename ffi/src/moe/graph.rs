@@ -223,6 +223,17 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
     // routing, skipping the other's experts; no CPU op, so the step stays one device graph.
     if let Some(zc) = lt.zero_copy.as_ref().filter(|_| n_tok <= zero_copy::MAX_TOKENS && lt.n_cold > 0) {
+        // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
+        let log = || unsafe {
+            let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
+            g.expand(sys::ggml_cpy(g.ctx, sel, log));
+        };
+        // Through the tables every expert id addresses its own weights: one chain, the routing as is.
+        if let Some(t) = zc.by_table.as_ref() {
+            let experts = g.ffn("strata_table_mm", &t.mats, sel, act, false)?;
+            log();
+            return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
+        }
         let hot_ids = |hot: &super::Hot| zc.hot_skip_map.map_or_else(|| g.remap_positions(hot.map, sel), |m| g.remap(m, sel));
         // With ring slots lent to decode, the hot chain reads the whole window: hot and lent slots.
         let down_hot = match (lt.decode_window.as_ref().filter(|_| lt.lendable()), zc.hot_skip_map) {
@@ -230,11 +241,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             _ => lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false)),
         };
         let down_cold = g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?;
-        // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
-        unsafe {
-            let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
-            g.expand(sys::ggml_cpy(g.ctx, sel, log));
-        }
+        log();
         let experts = match down_hot {
             // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
             Some(h) => unsafe { sys::ggml_add(g.ctx, h, down_cold) },

@@ -145,6 +145,9 @@ pub struct Switches {
     /// Between prompt batches the ring's slots hold decode's next-best cold experts
     /// (STRATA_RING_LEND=1; zero-copy decode only).
     pub ring_lend: bool,
+    /// Zero-copy decode runs one mul_mat_id per matrix whose experts are addressed through a
+    /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE=1, patches/0008).
+    pub decode_table: bool,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -360,6 +363,10 @@ impl LayerTiers {
         set_map(z.skip_map, &cold);
         if let Some(m) = z.hot_skip_map {
             set_map(m, &hot);
+        }
+        if let Some(t) = z.by_table.as_ref() {
+            // Lent slots count from the window's base, where the hot tier's slots begin too.
+            t.write(self.decode_window.as_ref().or(self.hot.as_ref().map(|h| &h.mats)), &z.mats, &hot, &cold);
         }
     }
 
@@ -835,6 +842,16 @@ impl Alloc {
         }
     }
 
+    /// One u64 per expert id (patches/0008's table of expert pointers), as i32 pairs.
+    fn table(&self, n_expert: usize, name: &str) -> T {
+        // SAFETY: ctx has room for the metadata.
+        unsafe {
+            let t = sys::ggml_new_tensor_2d(self.ctx, sys::GGML_TYPE_I32, 2, n_expert as i64);
+            set_name(t, name);
+            t
+        }
+    }
+
     fn map_per_position(&self, n_expert: usize, n_used: usize, name: &str) -> T {
         // SAFETY: ctx has room for the metadata.
         unsafe {
@@ -1226,6 +1243,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // Decode's hot chain also runs without hot experts when ring slots may be lent to it.
         let lend_layer = plan.switches.ring_lend && windowed.is_some();
         let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
+        let tables =
+            (zc_layer && plan.switches.decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -1245,7 +1264,10 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let copy_mats = copy_mats.transpose()?;
         let zero_copy = match (copy_mats.as_ref(), log, skip_map) {
             (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (map, hot_skip_map), *il, &mut owned) {
-                Ok(z) => Some(z),
+                Ok(mut z) => {
+                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned));
+                    Some(z)
+                }
                 Err(e) => {
                     placement.zero_copy_off.get_or_insert(e);
                     None
@@ -1380,6 +1402,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 _owned: owned,
             }),
         ));
+        if let Some((_, lt)) = entries.last().filter(|(_, lt)| lt.zero_copy.as_ref().is_some_and(|z| z.by_table.is_some())) {
+            lt.write_decode_maps(&[]);
+        }
     }
     if let Some(a) = plan.adapt.as_ref().filter(|a| a.every > 0 && !plan.count_only) {
         let layers: Vec<Arc<LayerTiers>> = entries.iter().map(|(_, lt)| lt.clone()).collect();

@@ -37,6 +37,8 @@ pub(super) struct ZeroCopy {
     pub hot_skip_map: Option<T>,
     /// [n_used, MAX_TOKENS] i32 as the graph writes it.
     pub log: T,
+    /// Every expert read through tables of pointers, when on (STRATA_DECODE_TABLE=1).
+    pub by_table: Option<ByTable>,
     /// The same log where the host reads it.
     log_host: *mut i32,
     log_len: usize,
@@ -56,7 +58,7 @@ impl ZeroCopy {
     ) -> Result<Self, String> {
         // SAFETY: log is a live i32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
-        let zc = |mats, log| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len };
+        let zc = |mats, log| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len, by_table: None };
         if !gpu {
             reset(log_host, log_len);
             return Ok(zc(*copy, log));
@@ -152,3 +154,61 @@ pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
 
 /// More than the row padding of any matrix (512 columns of the widest type).
 const SPARE_BYTES: i64 = 64 << 10;
+
+/// Decode's experts addressed through tables of pointers (patches/0008): per matrix, a tensor
+/// over every expert id whose op_params name its table, and the table (one address per id) in
+/// the hot tier's buffer. A step is then one mul_mat_id per matrix, as on an all-GPU model, that
+/// reads hot experts from VRAM and cold ones from the page-locked copy.
+pub(super) struct ByTable {
+    pub mats: Mats<T>,
+    tables: Mats<T>,
+}
+
+impl ByTable {
+    /// `tables`: one allocated [2, n_expert] i32 tensor per matrix of `src`, in the same order.
+    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned) -> Self {
+        let a = Alloc::new(4);
+        owned.ctxs.push(a.ctx);
+        let mut table = tables.iter();
+        let mats = src
+            .map(|t| {
+                let table = table.next()?;
+                let v = a.like(t, n_expert, &format!("blk.{il}.exps.by_table"));
+                // SAFETY: v is fresh metadata, table a live allocated tensor. Not
+                // ggml_backend_tensor_alloc: v spans n_expert experts by its shape, but no kernel
+                // addresses one by offset; the table's buffer only places the op on its device.
+                unsafe {
+                    (*v).buffer = (*table).buffer;
+                    (*v).data = (*table).data;
+                    let p = (*table).data as u64;
+                    (*v).op_params[4] = p as u32 as i32;
+                    (*v).op_params[5] = (p >> 32) as u32 as i32;
+                }
+                Some(v)
+            })
+            .expect("a table per matrix");
+        Self { mats, tables }
+    }
+
+    /// Points expert e at slot `hot[e]` of `hot_mats` when that is >= 0, else at row `cold[e]`
+    /// of `copy`, else at the copy's zero pad row (as the two chains' skips would compute zero).
+    pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32]) {
+        let hots: Vec<Option<T>> = match hot_mats {
+            Some(h) => h.iter().map(Some).collect(),
+            None => copy.iter().map(|_| None).collect(),
+        };
+        for ((table, h), c) in self.tables.iter().zip(hots).zip(copy.iter()) {
+            // SAFETY: live tensors; h and c hold experts of the same shape and type.
+            let (cold_base, nb2, pad, hot_base) = unsafe { ((*c).data as u64, (*c).nb[2] as u64, (*c).ne[2] as u64 - 1, h.map(|h| (*h).data as u64)) };
+            let entries: Vec<u64> = (0..hot.len())
+                .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e])) {
+                    (Some(b), Ok(s), _) => b + s * nb2,
+                    (_, _, Ok(r)) => cold_base + r * nb2,
+                    _ => cold_base + pad * nb2,
+                })
+                .collect();
+            // SAFETY: table is a [2, n_expert] i32 tensor: n_expert u64.
+            unsafe { sys::ggml_backend_tensor_set(table, entries.as_ptr().cast(), 0, std::mem::size_of_val(entries.as_slice())) };
+        }
+    }
+}

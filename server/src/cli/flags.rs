@@ -287,6 +287,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_DECODE_TABLE",
+        help: "1 = zero-copy decode runs one mul_mat_id per matrix that reads each expert through a table of pointers (hot slots in VRAM, cold rows of the page-locked RAM copy) instead of one chain per tier (default 0)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_RING_TRACE",
         help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
         effect: Effect::Experts,
