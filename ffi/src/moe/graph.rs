@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, pool, ring, zero_copy, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
+use super::{kernels, pool, ring, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
 use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
@@ -222,7 +222,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     }
     // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
     // routing, skipping the other's experts; no CPU op, so the step stays one device graph.
-    if let Some(zc) = lt.zero_copy.as_ref().filter(|_| n_tok <= zero_copy::MAX_TOKENS && lt.n_cold > 0) {
+    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && lt.n_cold > 0) {
         // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
         let log = || unsafe {
             let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);

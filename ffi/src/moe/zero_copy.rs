@@ -12,11 +12,12 @@ use std::ffi::c_void;
 use super::{Alloc, Mats, Owned, T};
 use crate::sys;
 
-/// Batches of up to this many tokens take the zero-copy form: CUDA's vector kernels, which skip
-/// negative ids, serve mul_mat_id up to 5..8 tokens depending on the type (5 for Q3_K).
+/// Batches of up to this many tokens take the zero-copy form where the device's vector kernels,
+/// which skip negative ids and read expert tables, serve mul_mat_id that far (ZeroCopy::max_tokens).
 pub(super) const MAX_TOKENS: i64 = 5;
 
 type MappedNew = unsafe extern "C" fn(i32, *mut c_void, usize) -> sys::ggml_backend_buffer_t;
+type VecMaxBatch = unsafe extern "C" fn(i32, i32) -> i32;
 
 /// How decode reaches the cold experts of a tiered layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +40,8 @@ pub(super) struct ZeroCopy {
     pub log: T,
     /// Every expert read through tables of pointers, when on (STRATA_DECODE_TABLE=1).
     pub by_table: Option<ByTable>,
+    /// The largest batch that takes the zero-copy form on this device (at most MAX_TOKENS).
+    pub max_tokens: i64,
     /// The same log where the host reads it.
     log_host: *mut i32,
     log_len: usize,
@@ -58,10 +61,24 @@ impl ZeroCopy {
     ) -> Result<Self, String> {
         // SAFETY: log is a live i32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
-        let zc = |mats, log| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len, by_table: None };
+        let zc = |mats, log, max_tokens| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len, by_table: None, max_tokens };
         if !gpu {
             reset(log_host, log_len);
-            return Ok(zc(*copy, log));
+            return Ok(zc(*copy, log, MAX_TOKENS));
+        }
+        // SAFETY: dev is a registered device; the proc address, when present, has the
+        // VecMaxBatch signature (patches/0008); copy's tensors are live.
+        let max_tokens = unsafe {
+            let p = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_cuda_mmid_vec_max_batch".as_ptr());
+            let ty = copy.iter().next().map_or(0, |t| (*t).type_ as i32);
+            if p.is_null() {
+                MAX_TOKENS
+            } else {
+                i64::from(std::mem::transmute::<*mut c_void, VecMaxBatch>(p)(super::ring::device_index(dev), ty)).min(MAX_TOKENS)
+            }
+        };
+        if max_tokens < 1 {
+            return Err("the GPU's vector kernels do not take this expert type".into());
         }
         let host_buf = *owned.bufs.last().ok_or("no RAM copy")?;
         // SAFETY: dev is a registered device; the proc address, when present, has the MappedNew
@@ -110,7 +127,7 @@ impl ZeroCopy {
         match (mats, log_dev) {
             (Some(m), Some(l)) if !failed => {
                 reset(log_host, log_len);
-                Ok(zc(m, l))
+                Ok(zc(m, l, max_tokens))
             }
             _ => Err("placing tensors in the mapped buffer failed".into()),
         }
