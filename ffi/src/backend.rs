@@ -108,3 +108,11 @@ pub fn log(level: Verbosity, line: &str) {
     // SAFETY: a valid NUL-terminated string for the duration of the call.
     unsafe { sys::strata_log(level as i32, c.as_ptr()) }
 }
+
+/// The address a device's backend gives for `name` (a function a patch adds), None when its
+/// build has no such function.
+pub(crate) fn proc_address(dev: sys::ggml_backend_dev_t, name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: dev is a registered device and name is NUL-terminated.
+    let p = unsafe { sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), name.as_ptr()) };
+    (!p.is_null()).then_some(p)
+}

@@ -159,8 +159,7 @@ fn proc_address(name: &CStr) -> Option<*mut c_void> {
             if sys::ggml_backend_dev_type(dev) != sys::GGML_BACKEND_DEVICE_TYPE_GPU {
                 continue;
             }
-            let p = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), name.as_ptr());
-            if !p.is_null() {
+            if let Some(p) = crate::backend::proc_address(dev, name) {
                 return Some(p);
             }
         }

@@ -793,13 +793,10 @@ fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool) -> bool {
     }
     if gpu {
         type Register = unsafe extern "C" fn(sys::ggml_custom_op_t);
-        // SAFETY: dev is a registered device; the proc address, when present, has the Register
-        // signature (patches/0002) and keeps the function pointer for the process's lifetime.
-        unsafe {
-            let f = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_register_host_op".as_ptr());
-            if !f.is_null() {
-                std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(pool::step));
-            }
+        if let Some(f) = crate::backend::proc_address(dev, c"ggml_backend_register_host_op") {
+            // SAFETY: the proc address has the Register signature (patches/0002) and keeps the
+            // function pointer for the process's lifetime.
+            unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(pool::step)) };
         }
     }
     true

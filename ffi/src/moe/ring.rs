@@ -170,14 +170,10 @@ struct Fns {
 
 impl Fns {
     fn load(dev: sys::ggml_backend_dev_t) -> Option<Self> {
-        // SAFETY: dev is a registered device; each proc address, when present, has the signature
-        // patches/0003 gives it and lives as long as the process.
+        let get = |name: &std::ffi::CStr| crate::backend::proc_address(dev, name);
+        // SAFETY: each proc address, when present, has the signature patches/0003 gives it and
+        // lives as long as the process.
         unsafe {
-            let reg = sys::ggml_backend_dev_backend_reg(dev);
-            let get = |name: &std::ffi::CStr| {
-                let p = sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr());
-                (!p.is_null()).then_some(p)
-            };
             Some(Self {
                 ring_new: std::mem::transmute::<*mut c_void, RingNew>(get(c"ggml_backend_cuda_ring_new")?),
                 ring_free: std::mem::transmute::<*mut c_void, RingFree>(get(c"ggml_backend_cuda_ring_free")?),

@@ -10,6 +10,7 @@
 use std::ffi::c_void;
 
 use super::{Alloc, Mats, Owned, T};
+use crate::backend::proc_address;
 use crate::sys;
 
 /// Batches of up to this many tokens take the zero-copy form where the device's vector kernels,
@@ -66,30 +67,21 @@ impl ZeroCopy {
             reset(log_host, log_len);
             return Ok(zc(*copy, log, MAX_TOKENS));
         }
-        // SAFETY: dev is a registered device; the proc address, when present, has the
-        // VecMaxBatch signature (patches/0008); copy's tensors are live.
+        // SAFETY: the proc address has the VecMaxBatch signature (patches/0008); copy's tensors are live.
         let max_tokens = unsafe {
-            let p = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_cuda_mmid_vec_max_batch".as_ptr());
             let ty = copy.iter().next().map_or(0, |t| (*t).type_ as i32);
-            if p.is_null() {
-                MAX_TOKENS
-            } else {
-                i64::from(std::mem::transmute::<*mut c_void, VecMaxBatch>(p)(super::ring::device_index(dev), ty)).min(MAX_TOKENS)
+            match proc_address(dev, c"ggml_backend_cuda_mmid_vec_max_batch") {
+                None => MAX_TOKENS,
+                Some(p) => i64::from(std::mem::transmute::<*mut c_void, VecMaxBatch>(p)(super::ring::device_index(dev), ty)).min(MAX_TOKENS),
             }
         };
         if max_tokens < 1 {
             return Err("the GPU's vector kernels do not take this expert type".into());
         }
         let host_buf = *owned.bufs.last().ok_or("no RAM copy")?;
-        // SAFETY: dev is a registered device; the proc address, when present, has the MappedNew
-        // signature (patches/0006).
-        let mapped_new = unsafe {
-            let p = sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), c"ggml_backend_cuda_mapped_buffer_new".as_ptr());
-            if p.is_null() {
-                return Err("the GPU backend has no mapped host buffers (patches/0006 missing)".into());
-            }
-            std::mem::transmute::<*mut c_void, MappedNew>(p)
-        };
+        let p = proc_address(dev, c"ggml_backend_cuda_mapped_buffer_new").ok_or("the GPU backend has no mapped host buffers (patches/0006 missing)")?;
+        // SAFETY: the proc address has the MappedNew signature (patches/0006).
+        let mapped_new = unsafe { std::mem::transmute::<*mut c_void, MappedNew>(p) };
         // SAFETY: host_buf is the page-locked buffer of the device's host buffer type that holds
         // the copy; the mapped buffer borrows its memory (freeing it releases nothing) and both
         // are freed together with the layer.
