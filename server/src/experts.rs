@@ -109,9 +109,10 @@ impl ExpertConfig {
                     Ok(v) => return Err(format!("STRATA_RING_LEND: invalid value '{v}': expected 1 (lend the prefill ring's slots to decode between prompt batches) or 0")),
                 },
                 decode_table: match std::env::var("STRATA_DECODE_TABLE").as_deref().map(str::trim) {
-                    Err(_) | Ok("") | Ok("0") => false,
-                    Ok("1") => true,
-                    Ok(v) => return Err(format!("STRATA_DECODE_TABLE: invalid value '{v}': expected 1 (zero-copy decode reads every expert through a table of pointers, one mul_mat_id per matrix) or 0")),
+                    Err(_) | Ok("") => None,
+                    Ok("0") => Some(false),
+                    Ok("1") => Some(true),
+                    Ok(v) => return Err(format!("STRATA_DECODE_TABLE: invalid value '{v}': expected 1 (zero-copy decode reads every expert through a table of pointers, one mul_mat_id per matrix) or 0 (one chain per tier)")),
                 },
                 cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
                     Err(_) | Ok("") => None,
@@ -400,7 +401,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}; prompt batches and the rest on {cpu})",
             placement.hot_device,
             p.layout.layers.len(),
-            if cfg.switches.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" }
+            if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" }
         ),
         (_, Some(why)) => format!("on {cpu} (zero-copy decode off: {why})"),
         _ => format!("on {cpu}"),

@@ -180,8 +180,8 @@ fn split_experts_match_the_unsplit_model() {
 /// The zero-copy decode graph (STRATA_COLD_DECODE=mapped), run on the CPU: the hot tier and the
 /// RAM copy each take a mul_mat_id over the same routing, the copy's skipping hot experts
 /// (negative ids, patches/0006), or with STRATA_DECODE_TABLE=1 one mul_mat_id reads every expert
-/// through a table of pointers (patches/0008); the routing log is counted after each step as the
-/// CPU kernels count it.
+/// through a table of pointers (patches/0008; by default only where the hot tier is on a CUDA
+/// device); the routing log is counted after each step as the CPU kernels count it.
 #[test]
 fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() {
     let m = model(MODEL);
@@ -193,7 +193,7 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     let root = guard_root(&dir, 64 << 20);
     let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
     let mut selections = Vec::new();
-    for (mode, table) in [("cpu", "0"), ("mapped", "0"), ("mapped", "1")] {
+    for (mode, table) in [("cpu", "0"), ("mapped", "0"), ("mapped", "1"), ("mapped", "")] {
         let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode), ("STRATA_DECODE_TABLE", table)];
         let s = Server::start(&args, &env);
         let what = format!("{mode} decode (tables {table})");
@@ -208,6 +208,7 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     assert!(selections[0][1] > 0, "{selections:?}");
     assert_eq!(selections[0], selections[1], "selections by tier (vram, ram): CPU decode vs zero-copy decode");
     assert_eq!(selections[0], selections[2], "selections by tier (vram, ram): CPU decode vs zero-copy decode through tables");
+    assert_eq!(selections[0], selections[3], "selections by tier (vram, ram): CPU decode vs zero-copy decode by default");
 
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_COLD_DECODE", "gpu")]);
     assert!(out.stderr.contains("STRATA_COLD_DECODE: invalid value 'gpu'"), "{}", out.stderr);

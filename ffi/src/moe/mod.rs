@@ -146,8 +146,9 @@ pub struct Switches {
     /// (STRATA_RING_LEND=1; zero-copy decode only).
     pub ring_lend: bool,
     /// Zero-copy decode runs one mul_mat_id per matrix whose experts are addressed through a
-    /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE=1, patches/0008).
-    pub decode_table: bool,
+    /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE, patches/0008);
+    /// None: on where the hot tier is on a CUDA device, whose kernels were measured with it.
+    pub decode_table: Option<bool>,
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
@@ -170,6 +171,8 @@ pub struct Placement {
     /// others do not (empty when all do or none was asked to).
     pub zero_copy_layers: usize,
     pub zero_copy_off: Option<String>,
+    /// Whether zero-copy decode reads experts through tables of pointers.
+    pub decode_table: bool,
     /// Tiered layers whose hot tier adapts at run time (`--adapt-every`), and why others do not.
     pub adapt_layers: usize,
     pub adapt_off: Option<String>,
@@ -1151,6 +1154,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Some(b)
         }
     };
+    let decode_table = plan.switches.decode_table.unwrap_or(gpu && dev_name.starts_with("CUDA"));
     let mut placement = Placement { hot_device: dev_name.clone(), host_ops: host_op, workers, ..Default::default() };
     let emulate = plan.switches.emulate_ring;
     let trace = plan.switches.ring_trace.as_deref();
@@ -1240,8 +1244,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // Decode's hot chain also runs without hot experts when ring slots may be lent to it.
         let lend_layer = plan.switches.ring_lend && windowed.is_some();
         let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
-        let tables =
-            (zc_layer && plan.switches.decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
+        let tables = (zc_layer && decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
+        placement.decode_table |= tables.is_some();
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {

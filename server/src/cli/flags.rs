@@ -288,7 +288,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_DECODE_TABLE",
-        help: "1 = zero-copy decode runs one mul_mat_id per matrix that reads each expert through a table of pointers (hot slots in VRAM, cold rows of the page-locked RAM copy) instead of one chain per tier (default 0)",
+        help: "1 = zero-copy decode runs one mul_mat_id per matrix that reads each expert through a table of pointers (hot slots in VRAM, cold rows of the page-locked RAM copy), 0 = one chain per tier (default: 1 where the hot tier is on a CUDA device, else 0)",
         effect: Effect::Experts,
     },
     EnvVar {
