@@ -20,7 +20,7 @@ use super::{copy_map_of, hot_map_of, set_map, LayerTiers, PlaceError, T};
 use crate::sys;
 
 /// Swaps made after one batch at most (each moves two experts over the bus).
-pub const SWAPS_PER_BATCH: usize = 4;
+pub const SWAPS_PER_BATCH: usize = 8;
 
 /// What `--adapt-every` asks for.
 #[derive(Clone, Debug)]
