@@ -4,9 +4,9 @@
 //! it returns exchange an expert of the hot tier with one of the RAM copy: the two change places,
 //! so the copy keeps its size and nothing is read from the model file.
 //!
-//! A swap runs between batches, when no graph reads either expert: the cold expert's rows go
-//! through a page-locked staging buffer into the hot slot, the hot expert's rows back into the
-//! freed row of the copy, and the layer's maps (hot tier, copy, zero-copy skip maps, the prefill
+//! A swap runs between batches, when no graph reads either expert: the hot expert's rows go
+//! through a page-locked staging buffer into the freed row of the copy, the cold expert's rows into
+//! the hot slot (straight from a page-locked or host-side copy, else through the staging buffer), and the layer's maps (hot tier, copy, zero-copy skip maps, the prefill
 //! ring's record) are rewritten. At most [`SWAPS_PER_BATCH`] run after one batch, so an
 //! interval's swaps spread over the following steps instead of stalling one.
 
@@ -56,6 +56,9 @@ struct State {
     seen: Vec<Vec<u64>>,
     pending: VecDeque<Swap>,
     staging: StagingBuf,
+    /// The hot slot is filled from the RAM copy directly: the copy is page-locked, or the hot
+    /// tier is host memory too.
+    direct: bool,
     counters: AdaptCounters,
 }
 
@@ -94,6 +97,7 @@ pub(super) fn start(
     layers: &[Arc<LayerTiers>],
     dev: sys::ggml_backend_dev_t,
     gpu: bool,
+    pinned: bool,
 ) -> Result<(usize, Option<String>), PlaceError> {
     let mut off = None;
     let eligible: Vec<Arc<LayerTiers>> = layers
@@ -154,6 +158,7 @@ pub(super) fn start(
         seen,
         pending: VecDeque::new(),
         staging,
+        direct: pinned || !gpu,
         counters: AdaptCounters::default(),
     });
     ON.store(true, Ordering::Relaxed);
@@ -237,7 +242,7 @@ impl State {
                     settled.push(ring.clone());
                 }
             }
-            if let Some(bytes) = exchange(lt, &sw, &self.staging) {
+            if let Some(bytes) = exchange(lt, &sw, &self.staging, self.direct) {
                 self.counters.swaps += 1;
                 self.counters.bytes += bytes;
                 if !touched.iter().any(|t| Arc::ptr_eq(t, lt)) {
@@ -255,7 +260,7 @@ impl State {
 /// Exchanges hot slot `sw.slot` (expert `sw.out`) with the RAM copy's row of `sw.into` and
 /// records where both now are; [`publish`] then rewrites the layer's maps. Returns the bytes
 /// moved, or None when the layer no longer matches the plan (nothing changed then).
-fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf) -> Option<u64> {
+fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf, direct: bool) -> Option<u64> {
     let hot = lt.hot.as_ref()?;
     let (out, into) = (sw.out as usize, sw.into as usize);
     let mut hot_slots = lt.hot_slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -272,9 +277,13 @@ fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf) -> Option<u64> {
         unsafe {
             let ram = (*c).data.cast::<u8>().add(row * n);
             let (a, b) = (st.base, st.base.add(st.half));
-            std::ptr::copy_nonoverlapping(ram, a, n);
             sys::ggml_backend_tensor_get(h, b.cast(), sw.slot * n, n);
-            sys::ggml_backend_tensor_set(h, a.cast(), sw.slot * n, n);
+            if direct {
+                sys::ggml_backend_tensor_set(h, ram.cast(), sw.slot * n, n);
+            } else {
+                std::ptr::copy_nonoverlapping(ram, a, n);
+                sys::ggml_backend_tensor_set(h, a.cast(), sw.slot * n, n);
+            }
             std::ptr::copy_nonoverlapping(b, ram, n);
         }
         bytes += 2 * n as u64;

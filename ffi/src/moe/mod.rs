@@ -1409,7 +1409,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     }
     if let Some(a) = plan.adapt.as_ref().filter(|a| a.every > 0 && !plan.count_only) {
         let layers: Vec<Arc<LayerTiers>> = entries.iter().map(|(_, lt)| lt.clone()).collect();
-        (placement.adapt_layers, placement.adapt_off) = adapt::start(model.as_ptr() as usize, a, &layers, dev, gpu)?;
+        (placement.adapt_layers, placement.adapt_off) = adapt::start(model.as_ptr() as usize, a, &layers, dev, gpu, plan.cold == ColdCopy::PinnedRam)?;
     }
     if let Some(r) = ring.as_ref().filter(|_| !entries.iter().any(|(_, lt)| lt.ring.is_some())) {
         placement.ring = Some(format!("prefill ring: off (no tiered layer's cold experts fit a half of the {} slots)", 2 * r.half));
