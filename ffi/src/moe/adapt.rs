@@ -5,8 +5,9 @@
 //! so the copy keeps its size and nothing is read from the model file.
 //!
 //! A swap runs between batches, when no graph reads either expert: the hot expert's rows go
-//! through a page-locked staging buffer into the freed row of the copy, the cold expert's rows into
-//! the hot slot (straight from a page-locked or host-side copy, else through the staging buffer), and the layer's maps (hot tier, copy, zero-copy skip maps, the prefill
+//! through a page-locked staging buffer into the freed row of the copy, the cold expert's rows
+//! into the hot slot (straight from a page-locked or host-side copy, else through the staging
+//! buffer), and the layer's maps (hot tier, copy, zero-copy skip maps, expert tables, the prefill
 //! ring's record) are rewritten. At most [`SWAPS_PER_BATCH`] run after one batch, so an
 //! interval's swaps spread over the following steps instead of stalling one.
 
