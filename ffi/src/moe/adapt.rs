@@ -234,8 +234,7 @@ impl State {
     fn run(&mut self, max: usize) {
         let mut settled = Vec::new();
         let mut touched: Vec<&Arc<LayerTiers>> = Vec::new();
-        for _ in 0..max {
-            let Some(sw) = self.pending.pop_front() else { break };
+        for sw in next_swaps(&mut self.pending, max) {
             let Some(lt) = self.layers.iter().find(|lt| lt.layer == sw.layer) else { continue };
             if let Some((ring, _)) = lt.ring.as_ref() {
                 if !settled.iter().any(|r| Arc::ptr_eq(r, ring)) {
@@ -256,6 +255,28 @@ impl State {
             publish(lt);
         }
     }
+}
+
+/// Takes up to `max` swaps from the front of `pending`, each taken layer's later swaps with it: a
+/// layer's maps are rewritten once after its swaps, so fewer layers a batch means fewer rewrites.
+/// A layer's swaps keep their order (a later one may move an expert an earlier one brought in);
+/// those of different layers are independent.
+fn next_swaps(pending: &mut VecDeque<Swap>, max: usize) -> Vec<Swap> {
+    let mut out = Vec::new();
+    while out.len() < max {
+        let Some(first) = pending.pop_front() else { break };
+        let layer = first.layer;
+        out.push(first);
+        let mut i = 0;
+        while i < pending.len() && out.len() < max {
+            if pending[i].layer == layer {
+                out.extend(pending.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+    out
 }
 
 /// Exchanges hot slot `sw.slot` (expert `sw.out`) with the RAM copy's row of `sw.into` and
@@ -312,4 +333,22 @@ fn publish(lt: &LayerTiers) {
     }
     drop(hot_slots);
     lt.write_decode_maps(&lent);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sw(layer: i32, slot: usize) -> Swap {
+        Swap { layer, slot, out: slot as u32, into: 100 + slot as u32 }
+    }
+
+    #[test]
+    fn a_batch_takes_each_layer_s_swaps_together_in_their_order() {
+        let mut q: VecDeque<Swap> = [sw(1, 0), sw(2, 0), sw(1, 1), sw(3, 0), sw(2, 1), sw(1, 2)].into();
+        assert_eq!(next_swaps(&mut q, 4), [sw(1, 0), sw(1, 1), sw(1, 2), sw(2, 0)]);
+        assert_eq!(Vec::from(q.clone()), [sw(3, 0), sw(2, 1)]);
+        assert_eq!(next_swaps(&mut q, 8), [sw(3, 0), sw(2, 1)]);
+        assert!(next_swaps(&mut q, 8).is_empty());
+    }
 }
