@@ -143,7 +143,8 @@ fn main() {
             adapter.observe(*l as i32, &sel);
         }
         if step % every == 0 {
-            pending.extend(adapter.interval());
+            let room = (every as usize * per_batch).saturating_sub(pending.len());
+            pending.extend(adapter.interval_at_most(room));
         }
         let t = base_us + swap_us * pending.len().min(per_batch) as f64;
         us += t;

@@ -117,6 +117,11 @@ impl Adapter {
     /// Ends an interval: folds its counts into the scores and returns the swaps to make (already
     /// applied to the adapter's view of the hot slots), clearest gains first.
     pub fn interval(&mut self) -> Vec<Swap> {
+        self.interval_at_most(usize::MAX)
+    }
+
+    /// [`Adapter::interval`] with at most `room` swaps (what the caller can make before the next).
+    pub fn interval_at_most(&mut self, room: usize) -> Vec<Swap> {
         let p = self.policy;
         let mut candidates: Vec<(f64, Swap)> = Vec::new();
         for l in &mut self.layers {
@@ -145,7 +150,7 @@ impl Adapter {
             }
         }
         candidates.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.layer.cmp(&b.1.layer)).then(a.1.slot.cmp(&b.1.slot)));
-        candidates.truncate(p.max_swaps);
+        candidates.truncate(p.max_swaps.min(room));
         let swaps: Vec<Swap> = candidates.into_iter().map(|(_, s)| s).collect();
         for s in &swaps {
             if let Some(l) = self.layers.iter_mut().find(|l| l.layer == s.layer) {
@@ -262,6 +267,17 @@ mod tests {
             swaps += a.interval().len();
         }
         assert!(swaps <= 2, "{swaps} swaps over 50 intervals of routing the profile predicts");
+    }
+
+    #[test]
+    fn an_interval_plans_no_more_than_the_room_it_is_given() {
+        let mut a = one_layer(vec![0, 1, 2], 8, None);
+        a.observe_counts(0, &[0, 0, 0, 50, 50, 50, 0, 0]);
+        let swaps = a.interval_at_most(2);
+        assert_eq!(swaps.len(), 2);
+        // The view holds only what was planned: the third expert follows in the next interval.
+        assert_eq!(a.hot(0).unwrap().iter().filter(|&&e| e >= 3).count(), 2);
+        assert_eq!(a.interval_at_most(8).len(), 1);
     }
 
     #[test]

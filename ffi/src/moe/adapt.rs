@@ -225,7 +225,9 @@ impl State {
             self.adapter.observe_counts(lt.layer, &delta);
             *seen = now;
         }
-        let swaps = self.adapter.interval();
+        // No more than the batches until the next interval can make: the queue stays bounded.
+        let room = (self.every as usize).saturating_mul(SWAPS_PER_BATCH).saturating_sub(self.pending.len());
+        let swaps = self.adapter.interval_at_most(room);
         self.counters.intervals += 1;
         self.counters.last_interval = swaps.len() as u64;
         self.pending.extend(swaps);
