@@ -13,6 +13,7 @@ are unmeasured, and at least 75% of the steps must be measured.
 Writes DIR/parity.json (and B's /metrics to DIR/metrics-b.txt where it serves them), prints one line per arm and the verdict, exits 1 when it fails.
 """
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -160,7 +161,10 @@ def main() -> int:
     free = compare(a, b, args.tol)
     verdict = compare_forced(a, steps, args.tol)
     verdict["free_running"] = free
-    (out / "parity.json").write_text(json.dumps({"commands": cmds, "verdict": verdict, "a": a, "b": b, "b_forced": steps},
+    # The prompt is pin source text: the results keep its size and hash, not the text.
+    text = {"prompt_file": args.prompt_file, "prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()}
+    a, b = ({k: v for k, v in r.items() if k != "prompt"} for r in (a, b))
+    (out / "parity.json").write_text(json.dumps({"commands": cmds, "prompt": text, "verdict": verdict, "a": a, "b": b, "b_forced": steps},
                                                 indent=1))
     print("parity: " + json.dumps(verdict), flush=True)
     return 0 if verdict["pass"] else 1
