@@ -162,6 +162,9 @@ pub struct CostModel {
     pub cpu_pairs_per_s: f64,
     /// Bytes of one expert (all its matrices).
     pub expert_bytes: f64,
+    /// Bytes a token's hidden state takes to the host and its cold result back when a batch's
+    /// cold pairs go to the CPU (2 x n_embd f32), moved at the copy rate.
+    pub handoff_bytes_per_token: f64,
 }
 
 /// The graph split and synchronisation a ring fill step costs (about 80 µs measured on the H200).
@@ -173,14 +176,15 @@ impl CostModel {
         RING_STEP_S + distinct * self.expert_bytes / self.copy_bytes_per_s.max(1.0)
     }
 
-    /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs.
-    pub fn cpu_s(&self, pairs: f64) -> f64 {
-        pairs / self.cpu_pairs_per_s.max(1.0)
+    /// Seconds for the CPU to compute `pairs` cold (token, expert) pairs of an `n_tok`-token
+    /// batch: the batch's hidden state to the host and back, and the arithmetic.
+    pub fn cpu_s(&self, pairs: f64, n_tok: f64) -> f64 {
+        n_tok * self.handoff_bytes_per_token / self.copy_bytes_per_s.max(1.0) + pairs / self.cpu_pairs_per_s.max(1.0)
     }
 
-    /// Whether a batch is cheaper through the ring than on the CPU.
-    pub fn prefers_ring(&self, pairs: f64, distinct: f64) -> bool {
-        self.ring_s(distinct) < self.cpu_s(pairs)
+    /// Whether an `n_tok`-token batch is cheaper through the ring than on the CPU.
+    pub fn prefers_ring(&self, pairs: f64, distinct: f64, n_tok: f64) -> bool {
+        self.ring_s(distinct) < self.cpu_s(pairs, n_tok)
     }
 }
 
@@ -189,11 +193,12 @@ pub fn expected_distinct(q: impl Iterator<Item = f64>, draws: f64) -> f64 {
     q.map(|p| 1.0 - (-draws * p).exp()).sum()
 }
 
-/// Whether a prompt batch of `draws` selections, `cold_share` of them cold, is quicker through
-/// the ring: `cold_p` gives each cold expert's chance per selection (the layer's counts, or the
-/// profile's share spread evenly until it has counted enough).
-pub fn batch_prefers_ring(cost: &CostModel, draws: f64, cold_share: f64, cold_p: impl Iterator<Item = f64>) -> bool {
-    cost.prefers_ring(draws * cold_share, expected_distinct(cold_p, draws))
+/// Whether a prompt batch of `n_tok` tokens routed to `n_used` experts each, `cold_share` of
+/// the selections cold, is quicker through the ring: `cold_p` gives each cold expert's chance per
+/// selection (the layer's counts, or the profile's share spread evenly until it has counted enough).
+pub fn batch_prefers_ring(cost: &CostModel, n_tok: f64, n_used: f64, cold_share: f64, cold_p: impl Iterator<Item = f64>) -> bool {
+    let draws = n_tok * n_used;
+    cost.prefers_ring(draws * cold_share, expected_distinct(cold_p, draws), n_tok)
 }
 
 #[cfg(test)]
@@ -297,11 +302,11 @@ mod tests {
 
     #[test]
     fn cost_model_prefers_the_ring_for_big_batches() {
-        let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6 };
+        let m = CostModel { copy_bytes_per_s: 50e9, cpu_pairs_per_s: 20_000.0, expert_bytes: 1.2e6, handoff_bytes_per_token: 16384.0 };
         // 4,096 tokens x 10 x 20% cold = 8,192 pairs over ~400 distinct experts.
-        assert!(m.prefers_ring(8192.0, 400.0));
-        // A cold pair or two: the CPU is quicker than a fill step.
-        assert!(!m.prefers_ring(2.0, 2.0));
+        assert!(m.prefers_ring(8192.0, 400.0, 4096.0));
+        // A cold pair or two of a short batch: the CPU is quicker than a fill step.
+        assert!(!m.prefers_ring(2.0, 2.0, 2.0));
         let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 40960.0);
         assert!((d - 512.0).abs() < 1.0);
         let d = expected_distinct(std::iter::repeat_n(1.0 / 512.0, 512), 10.0);
@@ -309,7 +314,21 @@ mod tests {
         // 512 tokens of a layer that misses 1% over 400 even cold experts: 51 pairs on the CPU
         // (2.6 ms) against ~50 copies (1.3 ms): the ring; at 5 tokens the CPU.
         let even = |n: usize| std::iter::repeat_n(0.01 / 400.0, n);
-        assert!(batch_prefers_ring(&m, 5120.0, 0.01, even(400)));
-        assert!(!batch_prefers_ring(&m, 50.0, 0.01, even(400)));
+        assert!(batch_prefers_ring(&m, 512.0, 10.0, 0.01, even(400)));
+        assert!(!batch_prefers_ring(&m, 5.0, 10.0, 0.01, even(400)));
+    }
+
+    #[test]
+    fn a_large_batch_with_few_cold_pairs_takes_the_ring_for_the_hand_off_it_saves() {
+        // 4,096 tokens of a layer the profile says misses 0.12%, spread evenly over 300 cold
+        // experts: ~39 pairs on ~37 experts. Copying those (1.3 ms) loses to the CPU's arithmetic
+        // (1 ms) and wins once the CPU path's 4,096 hidden states to the host and back count (1.8 ms).
+        let m = CostModel { copy_bytes_per_s: 38e9, cpu_pairs_per_s: 41_000.0, expert_bytes: 1.2e6, handoff_bytes_per_token: 16384.0 };
+        let even = || std::iter::repeat_n(0.0012 / 300.0, 300);
+        assert!(batch_prefers_ring(&m, 4096.0, 8.0, 0.0012, even()));
+        let no_handoff = CostModel { handoff_bytes_per_token: 0.0, ..m };
+        assert!(!batch_prefers_ring(&no_handoff, 4096.0, 8.0, 0.0012, even()));
+        // One token's handful of selections stays on the CPU.
+        assert!(!batch_prefers_ring(&m, 1.0, 8.0, 0.0012, even()));
     }
 }

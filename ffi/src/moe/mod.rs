@@ -461,7 +461,7 @@ impl LayerTiers {
             vec![self.cold_share_prior / self.n_cold.max(1) as f64; self.n_cold]
         };
         let distinct = plan::expected_distinct(q.iter().copied(), draws);
-        (plan::batch_prefers_ring(&cost, draws, self.cold_share(), q.into_iter()), distinct)
+        (plan::batch_prefers_ring(&cost, n_tok as f64, self.n_used as f64, self.cold_share(), q.into_iter()), distinct)
     }
 }
 
@@ -1083,10 +1083,12 @@ fn start_ring(
     let mut line =
         format!("prefill ring: {} slots in two halves ({what}), {n_layers} of {} tiered layers windowed, copies {source}", 2 * r.half, entries.len());
     if let (Some(c), Some(p)) = (copy, cpu) {
-        let model = ring::CostModel { copy_bytes_per_s: c, cpu_pairs_per_s: p * workers, expert_bytes: expert_bytes as f64 };
+        let n_embd = entries.iter().find(|(_, lt)| lt.ring.is_some()).map_or(0, |(_, lt)| lt.n_embd);
+        let handoff = (2 * n_embd * std::mem::size_of::<f32>()) as f64;
+        let model = ring::CostModel { copy_bytes_per_s: c, cpu_pairs_per_s: p * workers, expert_bytes: expert_bytes as f64, handoff_bytes_per_token: handoff };
         *r.cost.lock().unwrap_or_else(|e| e.into_inner()) = Some(model);
         line += &format!(
-            "; cost model: copy {:.1} GB/s, CPU {:.0} cold pairs/s ({:.0} per thread x {workers}); a prompt batch takes the ring when copying its expected cold experts is quicker than computing its cold pairs",
+            "; cost model: copy {:.1} GB/s, CPU {:.0} cold pairs/s ({:.0} per thread x {workers}), {handoff:.0} bytes a token to the CPU and back; a prompt batch takes the ring when copying its expected cold experts is quicker than moving its hidden states to the CPU and computing its cold pairs there",
             c / 1e9,
             p * workers,
             p
