@@ -191,24 +191,32 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     let dir = tmp("zero-copy");
     let profile = record_profile(&dir);
     let root = guard_root(&dir, 64 << 20);
-    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
-    let mut selections = Vec::new();
-    for (mode, table) in [("cpu", "0"), ("mapped", "0"), ("mapped", "1"), ("mapped", "")] {
-        let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode), ("STRATA_DECODE_TABLE", table)];
-        let s = Server::start(&args, &env);
-        let what = format!("{mode} decode (tables {table})");
-        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
-        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
-        selections.push([metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")]);
-        let log = s.log.lock().unwrap().clone();
-        let zero_copy = log.contains("from the page-locked RAM copy in 4 of 4 tiered layers (zero-copy");
-        assert_eq!(zero_copy, mode == "mapped", "{log}");
-        assert_eq!(log.contains("every expert through a table of pointers"), zero_copy && table == "1", "{log}");
+    // 24 of 64 experts hot, then every expert hot: no layer has cold experts, and zero-copy
+    // decode still logs the routing (a RAM copy of the pad alone per layer) instead of counting
+    // with a CPU op, as the CPU path does.
+    for (cache, arms) in
+        [("24", &[("cpu", "0"), ("mapped", "0"), ("mapped", "1"), ("mapped", "")][..]), ("64", &[("cpu", "0"), ("mapped", "0"), ("mapped", "1")][..])]
+    {
+        let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", cache];
+        let mut selections = Vec::new();
+        for &(mode, table) in arms {
+            let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", mode), ("STRATA_DECODE_TABLE", table)];
+            let s = Server::start(&args, &env);
+            let what = format!("{cache} hot, {mode} decode (tables {table})");
+            assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+            assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+            selections.push([metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")]);
+            let log = s.log.lock().unwrap().clone();
+            assert!(log.contains(&format!("experts: {cache} of 64 in the hot tier")), "{log}");
+            let zero_copy = log.contains("from the page-locked RAM copy in 4 of 4 tiered layers (zero-copy, one device graph per step");
+            assert_eq!(zero_copy, mode == "mapped", "{log}");
+            assert_eq!(log.contains("every expert through a table of pointers"), zero_copy && table == "1", "{log}");
+        }
+        assert!(selections[0][0] > 0 && (selections[0][1] > 0) == (cache == "24"), "{selections:?}");
+        for (i, what) in ["zero-copy decode", "zero-copy decode through tables", "zero-copy decode by default"].iter().enumerate().take(arms.len() - 1) {
+            assert_eq!(selections[0], selections[i + 1], "{cache} hot: selections by tier (vram, ram): CPU decode vs {what}");
+        }
     }
-    assert!(selections[0][1] > 0, "{selections:?}");
-    assert_eq!(selections[0], selections[1], "selections by tier (vram, ram): CPU decode vs zero-copy decode");
-    assert_eq!(selections[0], selections[2], "selections by tier (vram, ram): CPU decode vs zero-copy decode through tables");
-    assert_eq!(selections[0], selections[3], "selections by tier (vram, ram): CPU decode vs zero-copy decode by default");
 
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_COLD_DECODE", "gpu")]);
     assert!(out.stderr.contains("STRATA_COLD_DECODE: invalid value 'gpu'"), "{}", out.stderr);

@@ -221,8 +221,9 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         });
     }
     // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
-    // routing, skipping the other's experts; no CPU op, so the step stays one device graph.
-    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && lt.n_cold > 0) {
+    // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
+    // layer without cold experts runs the hot chain alone and logs its routing the same way.
+    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens) {
         // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
         let log = || unsafe {
             let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
@@ -240,12 +241,18 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             (Some(w), Some(m)) => g.ffn("strata_hot_mm", w, g.remap(m, sel), act, false),
             _ => lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false)),
         };
-        let down_cold = g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?;
-        log();
-        let experts = match down_hot {
-            // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
-            Some(h) => unsafe { sys::ggml_add(g.ctx, h, down_cold) },
-            None => down_cold,
+        let down_cold = if lt.n_cold > 0 { Some(g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?) } else { None };
+        let experts = match (down_hot, down_cold) {
+            (Some(h), Some(c)) => {
+                log();
+                // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
+                unsafe { sys::ggml_add(g.ctx, h, c) }
+            }
+            (h, c) => {
+                let one = h.or(c)?;
+                log();
+                one
+            }
         };
         return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
     }

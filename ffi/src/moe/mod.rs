@@ -1215,11 +1215,14 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let cold_list: Vec<usize> = slot_of.iter().enumerate().filter(|(_, s)| **s < 0).map(|(e, _)| e).collect();
         let mut owned = Owned::default();
 
-        let copy = cold_buft.filter(|_| !cold_list.is_empty());
         // SAFETY: live tensor.
         let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
         // The GPU's vector kernels skip ids only for quantized weights.
-        let zc_layer = zero_copy_wanted && copy.is_some() && (quantized || !gpu);
+        let zc_wanted = zero_copy_wanted && (quantized || !gpu);
+        // A layer without cold experts still gets a RAM copy (its zero pad) where decode reads
+        // through the mapping: its routing log lives there, so counting needs no CPU op in a step.
+        let copy = cold_buft.filter(|_| !cold_list.is_empty() || zc_wanted);
+        let zc_layer = zc_wanted && copy.is_some();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
         let a = Alloc::new(12);
         let n_used = plan.n_used.max(1);
