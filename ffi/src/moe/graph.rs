@@ -242,17 +242,14 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             _ => lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false)),
         };
         let down_cold = if lt.n_cold > 0 { Some(g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?) } else { None };
+        if down_hot.is_none() && down_cold.is_none() {
+            return None;
+        }
+        log();
         let experts = match (down_hot, down_cold) {
-            (Some(h), Some(c)) => {
-                log();
-                // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
-                unsafe { sys::ggml_add(g.ctx, h, c) }
-            }
-            (h, c) => {
-                let one = h.or(c)?;
-                log();
-                one
-            }
+            // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
+            (Some(h), Some(c)) => unsafe { sys::ggml_add(g.ctx, h, c) },
+            (h, c) => h.or(c)?,
         };
         return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
     }

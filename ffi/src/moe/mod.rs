@@ -1069,7 +1069,8 @@ fn start_ring(
     r.start(staging_buft, expert_bytes, pace, plan.switches.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
-    let cpu = entries.iter().find(|(_, lt)| lt.ring.is_some()).and_then(|(_, lt)| ring::measure_cpu(lt, 16));
+    let ringed = entries.iter().map(|(_, lt)| lt).find(|lt| lt.ring.is_some());
+    let cpu = ringed.and_then(|lt| ring::measure_cpu(lt, 16));
     let source = match plan.cold {
         ColdCopy::PinnedRam => "straight from the page-locked RAM copy",
         ColdCopy::Ram => "through a page-locked staging buffer from the RAM copy",
@@ -1083,8 +1084,7 @@ fn start_ring(
     let mut line =
         format!("prefill ring: {} slots in two halves ({what}), {n_layers} of {} tiered layers windowed, copies {source}", 2 * r.half, entries.len());
     if let (Some(c), Some(p)) = (copy, cpu) {
-        let n_embd = entries.iter().find(|(_, lt)| lt.ring.is_some()).map_or(0, |(_, lt)| lt.n_embd);
-        let handoff = (2 * n_embd * std::mem::size_of::<f32>()) as f64;
+        let handoff = (2 * ringed.map_or(0, |lt| lt.n_embd) * std::mem::size_of::<f32>()) as f64;
         let model = ring::CostModel { copy_bytes_per_s: c, cpu_pairs_per_s: p * workers, expert_bytes: expert_bytes as f64, handoff_bytes_per_token: handoff };
         *r.cost.lock().unwrap_or_else(|e| e.into_inner()) = Some(model);
         line += &format!(
