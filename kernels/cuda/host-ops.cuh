@@ -1,7 +1,16 @@
 // Host ops: custom ops that an application registers to run on the CPU in stream order, so
 // that a graph which needs a host step between two device ops stays one device split (and one
-// CUDA graph). The sources are copied to pinned staging, the op runs in a host callback, and its
-// result is copied back. The op must not call the CUDA API.
+// CUDA graph). The sources are copied to pinned staging, the op runs on the host, and its result
+// is copied back. The op must not call the CUDA API.
+//
+// The host step runs in a host callback, or, after ggml_backend_host_ops_by_flag(true), on a
+// host thread of this file that spins on a mailbox in mapped memory: a one-thread kernel posts
+// the op there and a second one holds the stream until the host answers. A callback's latency
+// is tens of microseconds; the mailbox's a few, which is what a step with one host op per layer
+// needs.
+#include <chrono>
+#include <thread>
+
 static std::mutex                     ggml_cuda_host_ops_mutex;
 static std::vector<ggml_custom_op_t> ggml_cuda_host_ops;
 
@@ -33,6 +42,124 @@ struct ggml_cuda_host_op_state {
 static void ggml_cuda_host_op_run(void * data) {
     ggml_cuda_host_op_state * st = (ggml_cuda_host_op_state *) data;
     st->fun(&st->dst, 0, 1, st->userdata);
+}
+
+// The mailbox of one stream: at most one op of a stream is posted at a time, since the stream
+// waits for each before it goes on. `req` and `done` count posts; the device's own count of posts
+// (`seq`, device memory) lets a captured CUDA graph replay the same two kernels every step.
+struct ggml_cuda_host_mailbox_mem {
+    unsigned long long                  req;
+    unsigned long long                  done;
+    ggml_cuda_host_op_state *           st;
+};
+
+struct ggml_cuda_host_mailbox {
+    ggml_cuda_host_mailbox_mem * host;
+    ggml_cuda_host_mailbox_mem * dev;
+    unsigned long long *         seq;
+    int                          device;
+    cudaStream_t                 stream;
+};
+
+static std::atomic<bool>                    ggml_cuda_host_ops_flag{false};
+static constexpr int                        GGML_CUDA_HOST_MAILBOXES = 64;
+static ggml_cuda_host_mailbox               ggml_cuda_host_mailboxes[GGML_CUDA_HOST_MAILBOXES];
+static std::atomic<int>                     ggml_cuda_host_mailbox_count{0};
+
+static void ggml_backend_host_ops_by_flag(bool on) {
+    ggml_cuda_host_ops_flag.store(on);
+}
+
+static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
+    const unsigned long long s = *seq + 1;
+    *seq = s;
+    *(ggml_cuda_host_op_state * volatile *) &mb->st = st;
+    __threadfence_system();
+    *(volatile unsigned long long *) &mb->req = s;
+    __threadfence_system();
+}
+
+// Holds the stream until the host has answered this stream's last post. A host that never
+// answers (its thread gone) would hang the device: after a minute the kernel traps instead.
+static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, const unsigned long long * seq) {
+    const unsigned long long s = *seq;
+#if defined(GGML_USE_HIP)
+    const long long t0 = wall_clock64();
+    while (*(volatile unsigned long long *) &mb->done != s) {
+        __builtin_amdgcn_s_sleep(1);
+        // wall_clock64 runs at 100 MHz on RDNA3
+        if (wall_clock64() - t0 > 6000000000LL) {
+            __builtin_trap();
+        }
+    }
+#else
+    unsigned long long t0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    while (*(volatile unsigned long long *) &mb->done != s) {
+        __nanosleep(64);
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 60ull * 1000000000ull) {
+            printf("ggml-cuda: a host op was not answered within 60 s\n");
+            __trap();
+        }
+    }
+#endif
+    __threadfence_system();
+}
+
+// Answers every stream's posts: runs the op, then raises `done`. Spins while posts come (a
+// decode step posts one per layer); after a quiet while it sleeps between looks.
+static void ggml_cuda_host_op_server() {
+    unsigned long long seen[GGML_CUDA_HOST_MAILBOXES] = {};
+    auto last = std::chrono::steady_clock::now();
+    for (;;) {
+        bool any = false;
+        const int n = ggml_cuda_host_mailbox_count.load(std::memory_order_acquire);
+        for (int i = 0; i < n; ++i) {
+            ggml_cuda_host_mailbox_mem * mb = ggml_cuda_host_mailboxes[i].host;
+            const unsigned long long r = __atomic_load_n(&mb->req, __ATOMIC_ACQUIRE);
+            if (r == seen[i]) {
+                continue;
+            }
+            ggml_cuda_host_op_run(__atomic_load_n(&mb->st, __ATOMIC_ACQUIRE));
+            seen[i] = r;
+            __atomic_store_n(&mb->done, r, __ATOMIC_RELEASE);
+            any = true;
+        }
+        const auto now = std::chrono::steady_clock::now();
+        if (any) {
+            last = now;
+        } else if (now - last > std::chrono::milliseconds(20)) {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+}
+
+// The mailbox of (device, stream), made on first use; the server starts with the first.
+static ggml_cuda_host_mailbox * ggml_cuda_host_mailbox_for(int device, cudaStream_t stream) {
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> lock(mutex);
+    const int n = ggml_cuda_host_mailbox_count.load();
+    for (int i = 0; i < n; ++i) {
+        if (ggml_cuda_host_mailboxes[i].device == device && ggml_cuda_host_mailboxes[i].stream == stream) {
+            return &ggml_cuda_host_mailboxes[i];
+        }
+    }
+    GGML_ASSERT(n < GGML_CUDA_HOST_MAILBOXES && "too many streams with host ops");
+    ggml_cuda_host_mailbox & mb = ggml_cuda_host_mailboxes[n];
+    mb.device = device;
+    mb.stream = stream;
+    CUDA_CHECK(cudaHostAlloc((void **) &mb.host, sizeof(ggml_cuda_host_mailbox_mem), cudaHostAllocMapped | cudaHostAllocPortable));
+    memset(mb.host, 0, sizeof(ggml_cuda_host_mailbox_mem));
+    CUDA_CHECK(cudaHostGetDevicePointer((void **) &mb.dev, mb.host, 0));
+    CUDA_CHECK(cudaMalloc((void **) &mb.seq, sizeof(unsigned long long)));
+    CUDA_CHECK(cudaMemset(mb.seq, 0, sizeof(unsigned long long)));
+    ggml_cuda_host_mailbox_count.store(n + 1, std::memory_order_release);
+    if (n == 0) {
+        std::thread(ggml_cuda_host_op_server).detach();
+    }
+    return &mb;
 }
 
 static bool ggml_cuda_tensor_on_host(const ggml_tensor * t) {
@@ -111,6 +238,13 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
             CUDA_CHECK(cudaMemcpyAsync(st->src[i].data, dst->src[i]->data, ggml_nbytes(dst->src[i]), cudaMemcpyDeviceToHost, stream));
         }
     }
-    CUDA_CHECK(cudaLaunchHostFunc(stream, ggml_cuda_host_op_run, st));
+    if (ggml_cuda_host_ops_flag.load()) {
+        ggml_cuda_host_mailbox * mb = ggml_cuda_host_mailbox_for(ctx.device, stream);
+        ggml_cuda_host_op_post<<<1, 1, 0, stream>>>(mb->dev, mb->seq, st);
+        ggml_cuda_host_op_wait<<<1, 1, 0, stream>>>(mb->dev, mb->seq);
+        CUDA_CHECK(cudaGetLastError());
+    } else {
+        CUDA_CHECK(cudaLaunchHostFunc(stream, ggml_cuda_host_op_run, st));
+    }
     CUDA_CHECK(cudaMemcpyAsync(dst->data, st->dst.data, ggml_nbytes(dst), cudaMemcpyHostToDevice, stream));
 }

@@ -118,7 +118,8 @@ impl ExpertConfig {
                     Err(_) | Ok("") => None,
                     Ok("cpu") => Some(moe::ColdDecode::Cpu),
                     Ok("mapped") => Some(moe::ColdDecode::Mapped),
-                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu or mapped")),
+                    Ok("workers") => Some(moe::ColdDecode::Workers),
+                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu, mapped or workers")),
                 },
             },
         };
@@ -402,6 +403,14 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             placement.hot_device,
             p.layout.layers.len(),
             if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" }
+        ),
+        _ if placement.workers_in_step.is_some() => format!(
+            "on {cpu} inside the device step ({}; prompt batches as before)",
+            match placement.workers_in_step {
+                Some(moe::HandOff::Mailbox) => format!("handed over by host ops that a mailbox in mapped memory answers, {} stays one device graph a step", placement.hot_device),
+                Some(moe::HandOff::Callback) => format!("handed over by host callbacks: {}'s module has no mailbox for host ops (patches/0009)", placement.hot_device),
+                _ => "no GPU takes host ops: the CPU runs them between graph splits".to_string(),
+            }
         ),
         (_, Some(why)) => format!("on {cpu} (zero-copy decode off: {why})"),
         _ => format!("on {cpu}"),

@@ -141,6 +141,23 @@ fn split_experts_match_the_unsplit_model() {
         assert!(log.contains("one host op per layer"), "{log}");
     }
 
+    // Decode's cold selections handed to the workers inside the step (STRATA_COLD_DECODE=workers):
+    // launch and join without cold weights among their sources, as GPUs with host ops run them
+    // (and count as a host op where a layer has nothing cold); here the CPU backend runs them.
+    for (workers, cache) in [("2", "30"), ("0", "30"), ("2", "64")] {
+        let s = Server::start(
+            &["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", cache, "--pool-workers", workers],
+            &[("STRATA_COLD_DECODE", "workers")],
+        );
+        let what = format!("workers in the step, {workers} workers, {cache} hot");
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        let served = if cache == "64" { "vram" } else { "mmap" };
+        assert!(metric(&s, "expert_selections_total", served) > 0, "{what}");
+        let log = s.log.lock().unwrap().clone();
+        assert!(log.contains("inside the device step (no GPU takes host ops"), "{log}");
+    }
+
     // --pcie-frac: half of each decode step's misses go to the staging slots, the rest to the pool.
     let uploading =
         Server::start(&["-m", m, "-c", "2048", "--metrics", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"], &[]);

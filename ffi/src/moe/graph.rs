@@ -155,9 +155,10 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let prompt = n_tok >= OFFLOAD_MIN_BATCH;
 
     // The counting op runs on the CPU; a host weight among its sources places it there directly.
+    // Decode with the workers in the step counts in a host op instead, keeping the step whole.
     let count = || {
         let mut srcs = vec![sel];
-        srcs.extend(host_cold_weight(lt));
+        srcs.extend(host_cold_weight(lt).filter(|_| prompt || !lt.workers_in_step));
         let c = g.named(g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt), "strata_count");
         g.expand(c);
     };
@@ -272,13 +273,18 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         g.expand(u);
         u
     });
+    // Decode's cold selections handed to the workers inside the device step: launch and join as
+    // host ops around the hot chain (no cold weight among their sources, so they stay on the GPU).
+    let in_step = cold_cpu && !prompt && lt.workers_in_step && upload_ids.is_none();
     // A host op keeps the layer in the GPU's stream; it does not take `--pcie-frac` uploads.
-    let host_step = cold_cpu && lt.host_op && upload_ids.is_none();
+    let host_step = cold_cpu && upload_ids.is_none() && if in_step { lt.cold_threads == 0 } else { lt.host_op };
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
     let ticket = (cold_cpu && !host_step && lt.cold_threads > 0).then(|| {
         let mut srcs = vec![args.cur, sel, cpu_weights];
         srcs.extend(upload_ids);
-        srcs.extend(cold_srcs());
+        if !in_step {
+            srcs.extend(cold_srcs());
+        }
         let t = g.named(g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt), "strata_pool_launch");
         g.expand(t);
         t

@@ -149,9 +149,20 @@ pub struct Switches {
     /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE, patches/0008);
     /// None: on where the hot tier is on a CUDA device, whose kernels were measured with it.
     pub decode_table: Option<bool>,
-    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped); None: mapped where the
+    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped|workers); None: mapped where the
     /// cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
+}
+
+/// How a GPU backend hands host ops to the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandOff {
+    /// A mailbox in mapped memory that a host thread answers (patches/0009).
+    Mailbox,
+    /// A host callback in the stream (patches/0002 alone: tens of microseconds each).
+    Callback,
+    /// No GPU, or one without host ops: the CPU runs the ops in its own graph split.
+    Cpu,
 }
 
 /// Experts and bytes per tier after placement.
@@ -163,6 +174,9 @@ pub struct Placement {
     pub hot_device: String,
     /// Whether the CPU part of a tiered layer runs as a host op in the GPU's stream.
     pub host_ops: bool,
+    /// Whether decode's cold experts run on the workers inside the device step
+    /// (STRATA_COLD_DECODE=workers), and how the GPU hands them over.
+    pub workers_in_step: Option<HandOff>,
     /// Workers of the cold-expert pool (0: none).
     pub workers: usize,
     /// The prefill ring, when one was built: a line for the start-up log.
@@ -292,6 +306,9 @@ pub(crate) struct LayerTiers {
     pub pcie_frac: f64,
     /// The cold selections run as one host op (`pool::step`) instead of CPU-backend ops.
     pub host_op: bool,
+    /// Decode hands its cold selections to the workers before the hot chain and takes their
+    /// result after it, both as host ops (`pool::launch`, `pool::join`), so they overlap.
+    pub workers_in_step: bool,
     pub tally: Arc<Tally>,
     /// The window tensors ([hot slots | pads | ring], patches/0003) and the ring with this
     /// layer's index in it, when prompt batches may use the prefill ring.
@@ -785,24 +802,35 @@ fn flat_from(gpu: bool, quantized: bool, flat_ids: bool) -> i64 {
     }
 }
 
-/// Whether the cold selections run as one host op per layer (`pool::step`): only when `on`
-/// (STRATA_MOE_HOST_OP=1). A GPU backend with host ops (patches/0002) then runs the op in its
-/// stream, so the layer stays one device split; on the H200 that measured slower than the
-/// scheduler's CPU splits (docs/expert-tiers.md), hence not the default. Elsewhere the CPU
-/// runs it as an ordinary op (tests of that graph).
-fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool) -> bool {
-    if !on {
-        return false;
+/// Registers the pool's ops as host ops of a GPU backend (patches/0002) when `on`
+/// (STRATA_MOE_HOST_OP=1 or STRATA_COLD_DECODE=workers), so that a tiered layer's CPU part stays
+/// in the device's stream: one device split per step. With `mailbox` the backend answers them
+/// through a mailbox in mapped memory (patches/0009) instead of host callbacks, which on the H200
+/// measured slower than the scheduler's CPU splits (docs/expert-tiers.md). Elsewhere the CPU
+/// runs the ops as ordinary ones (tests of those graphs).
+fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool, mailbox: bool) -> HandOff {
+    if !on || !gpu {
+        return HandOff::Cpu;
     }
-    if gpu {
-        type Register = unsafe extern "C" fn(sys::ggml_custom_op_t);
-        if let Some(f) = crate::backend::proc_address(dev, c"ggml_backend_register_host_op") {
-            // SAFETY: the proc address has the Register signature (patches/0002) and keeps the
-            // function pointer for the process's lifetime.
-            unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(pool::step)) };
+    type Register = unsafe extern "C" fn(sys::ggml_custom_op_t);
+    let Some(f) = crate::backend::proc_address(dev, c"ggml_backend_register_host_op") else { return HandOff::Cpu };
+    for op in [pool::step, pool::launch, pool::join, kernels::count] {
+        // SAFETY: the proc address has the Register signature (patches/0002) and keeps the
+        // function pointer for the process's lifetime.
+        unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(op)) };
+    }
+    if !mailbox {
+        return HandOff::Callback;
+    }
+    type ByFlag = unsafe extern "C" fn(bool);
+    match crate::backend::proc_address(dev, c"ggml_backend_host_ops_by_flag") {
+        Some(f) => {
+            // SAFETY: the proc address has the ByFlag signature (patches/0009).
+            unsafe { std::mem::transmute::<*mut std::ffi::c_void, ByFlag>(f)(true) };
+            HandOff::Mailbox
         }
+        None => HandOff::Callback,
     }
-    true
 }
 
 /// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
@@ -1128,11 +1156,13 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
     let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
-    let host_op = !plan.count_only && host_ops(dev, gpu, plan.switches.host_op);
+    let in_step = !plan.count_only && plan.switches.cold_decode == Some(ColdDecode::Workers);
+    let hand_off = if plan.count_only { HandOff::Cpu } else { host_ops(dev, gpu, plan.switches.host_op || in_step, in_step) };
+    let host_op = !plan.count_only && plan.switches.host_op;
     let mut workers = 0;
     if plan.cold_threads > 0 && !plan.count_only {
         workers = plan.cold_threads as usize;
-        if host_op {
+        if hand_off != HandOff::Cpu {
             // The GPU's callback thread and the thread waiting on the stream spin as well; a
             // worker without a core of its own stalls every step's barrier by a time slice.
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -1157,7 +1187,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         }
     };
     let decode_table = plan.switches.decode_table.unwrap_or(gpu && dev_name.starts_with("CUDA"));
-    let mut placement = Placement { hot_device: dev_name.clone(), host_ops: host_op, workers, ..Default::default() };
+    let mut placement =
+        Placement { hot_device: dev_name.clone(), host_ops: host_op, workers_in_step: in_step.then_some(hand_off), workers, ..Default::default() };
     let emulate = plan.switches.emulate_ring;
     let trace = plan.switches.ring_trace.as_deref();
     let ring = if plan.ring_half > 0 && !plan.count_only && (gpu || emulate) {
@@ -1190,7 +1221,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let zero_copy_wanted = !plan.count_only
         && match plan.switches.cold_decode {
             Some(ColdDecode::Mapped) => plan.cold != ColdCopy::Mapped,
-            Some(ColdDecode::Cpu) => false,
+            Some(ColdDecode::Cpu | ColdDecode::Workers) => false,
             None => gpu && plan.cold == ColdCopy::PinnedRam,
         };
     if gpu && plan.switches.cold_decode.is_none() && !plan.count_only && plan.cold != ColdCopy::PinnedRam {
@@ -1396,6 +1427,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 staging,
                 pcie_frac: plan.pcie_frac,
                 host_op,
+                workers_in_step: in_step,
                 tally,
                 window,
                 ring: ring_entry,

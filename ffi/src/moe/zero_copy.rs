@@ -27,6 +27,9 @@ pub enum ColdDecode {
     Cpu,
     /// The GPU reads them from the page-locked RAM copy; the step stays one device graph.
     Mapped,
+    /// CPU workers compute them while the GPU computes the hot ones, handed over by host ops
+    /// that a mailbox in mapped memory answers (patches/0009); the step stays one device graph.
+    Workers,
 }
 
 /// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the map

@@ -313,7 +313,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_COLD_DECODE",
-        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them",
+        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009; not measured on a GPU yet)",
         effect: Effect::Experts,
     },
     EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
