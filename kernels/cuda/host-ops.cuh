@@ -154,7 +154,9 @@ static ggml_cuda_host_mailbox * ggml_cuda_host_mailbox_for(int device, cudaStrea
     memset(mb.host, 0, sizeof(ggml_cuda_host_mailbox_mem));
     CUDA_CHECK(cudaHostGetDevicePointer((void **) &mb.dev, mb.host, 0));
     CUDA_CHECK(cudaMalloc((void **) &mb.seq, sizeof(unsigned long long)));
-    CUDA_CHECK(cudaMemset(mb.seq, 0, sizeof(unsigned long long)));
+    // Synchronous, so the first post (on a non-blocking stream) reads a zero.
+    const unsigned long long zero = 0;
+    CUDA_CHECK(cudaMemcpy(mb.seq, &zero, sizeof(zero), cudaMemcpyHostToDevice));
     ggml_cuda_host_mailbox_count.store(n + 1, std::memory_order_release);
     if (n == 0) {
         std::thread(ggml_cuda_host_op_server).detach();
