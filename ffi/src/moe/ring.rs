@@ -1010,6 +1010,21 @@ fn paced<T>(items: &[T], bytes: impl Fn(&T) -> usize, pace: Option<usize>) -> Ve
     runs
 }
 
+/// Where a job's pieces go in the staging buffer: packed from the start of half `h`, every job
+/// into the same addresses (the buffer is allocated once), as many pieces as the half holds.
+fn stage(pieces: &[Piece], base: usize, half_bytes: usize, h: usize) -> Vec<(usize, Piece)> {
+    let mut off = 0usize;
+    let mut staged = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        if off + p.bytes > half_bytes {
+            break;
+        }
+        staged.push((base + h * half_bytes + off, *p));
+        off += p.bytes;
+    }
+    staged
+}
+
 fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>, pace: Option<usize>) {
     let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
     while let Ok(job) = rx.recv() {
@@ -1017,15 +1032,7 @@ fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Stagin
         let ok = match (&staging, job.staging) {
             (Some(st), Some(h)) => {
                 // Gather into staging half h (parallel reads of the pageable source), then copy.
-                let mut off = 0usize;
-                let mut staged = Vec::with_capacity(job.pieces.len());
-                for p in &job.pieces {
-                    if off + p.bytes > st.half_bytes {
-                        break;
-                    }
-                    staged.push((st.base + h * st.half_bytes + off, *p));
-                    off += p.bytes;
-                }
+                let staged = stage(&job.pieces, st.base, st.half_bytes, h);
                 let fits = staged.len() == job.pieces.len();
                 let chunk = staged.len().div_ceil(gather_threads).max(1);
                 std::thread::scope(|s| {
@@ -1224,6 +1231,19 @@ mod tests {
         st.lend[1] = Lend::Copying(vec![(1, 4, 0)]);
         st.drain(1);
         assert!(matches!(st.lend[1], Lend::None));
+    }
+
+    #[test]
+    fn every_job_reuses_the_staging_half_it_copies_through() {
+        let piece = |src, bytes| Piece { dst: 0, src, bytes };
+        let (base, half) = (1 << 20, 100);
+        let a = stage(&[piece(7, 40), piece(9, 40)], base, half, 0);
+        let b = stage(&[piece(3, 30), piece(5, 30), piece(8, 30)], base, half, 0);
+        assert_eq!(a.iter().map(|s| s.0).collect::<Vec<_>>(), [base, base + 40]);
+        assert_eq!(b.iter().map(|s| s.0).collect::<Vec<_>>(), [base, base + 30, base + 60], "the next job packs from the same start");
+        let other = stage(&[piece(7, 100)], base, half, 1);
+        assert_eq!(other[0].0, base + half, "the other half does not overlap the first");
+        assert_eq!(stage(&[piece(1, 60), piece(2, 60)], base, half, 0).len(), 1, "what a half cannot hold is not staged");
     }
 
     #[test]
