@@ -280,7 +280,8 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let host_step = cold_cpu && upload_ids.is_none() && if in_step { lt.cold_threads == 0 } else { lt.host_op };
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
     let ticket = (cold_cpu && !host_step && lt.cold_threads > 0).then(|| {
-        let mut srcs = vec![args.cur, sel, cpu_weights];
+        // Inside the device step every source is one more copy to the host: only cur and sel.
+        let mut srcs = if in_step { vec![args.cur, sel] } else { vec![args.cur, sel, cpu_weights] };
         srcs.extend(upload_ids);
         if !in_step {
             srcs.extend(cold_srcs());

@@ -216,8 +216,9 @@ fn worker(s: &Shared) {
 }
 
 /// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok] (read only for the weighted form), the upload op's ids when the step uploads (`--pcie-frac`), then
-/// the cold weight tensors (they place the op on the CPU).
+/// weights [1, n_used, n_tok] (read only for the weighted form; a decode step inside the device
+/// step leaves them and the rest out), the upload op's ids when the step uploads (`--pcie-frac`),
+/// then the cold weight tensors (they place the op on the CPU).
 /// Writes one f32 (the join's dependency).
 ///
 /// # Safety
@@ -232,8 +233,12 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
     let Some(pool) = POOL.get() else { return };
-    // SAFETY: the graph builder gave this op these sources.
-    unsafe { start(pool, lt, src(dst, 0), src(dst, 1), src(dst, 2), src_opt(dst, 3)) };
+    // SAFETY: the graph builder gave this op these sources; a decode step's launch may leave the
+    // weights out (its output form does not read them), so sel stands in.
+    unsafe {
+        let sel = src(dst, 1);
+        start(pool, lt, src(dst, 0), sel, (*dst).src[2].as_ref().unwrap_or(sel), src_opt(dst, 3));
+    }
     // SAFETY: dst is one f32.
     unsafe { *((*dst).data as *mut f32) = 0.0 };
 }
