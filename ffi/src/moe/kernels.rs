@@ -195,6 +195,8 @@ pub(crate) fn gate_up_rows<'x>(
     };
     let mut xq_g = Vec::new();
     let mut xq_u = Vec::new();
+    // Gate and up of one type read the same converted input.
+    let g_own = g_mat.filter(|g| g.traits.vec_dot_type != u_mat.traits.vec_dot_type);
     let mut last_t = usize::MAX;
     for row in r0..r1 {
         let (t, k, slot) = items[row / n_ff];
@@ -202,16 +204,17 @@ pub(crate) fn gate_up_rows<'x>(
         if t != last_t {
             let xt = &x(t)[..n_embd];
             u_mat.traits.quantize(xt, &mut xq_u);
-            if let Some(g) = g_mat {
+            if let Some(g) = g_own {
                 g.traits.quantize(xt, &mut xq_g);
             }
             last_t = t;
         }
+        let xq_g = if g_own.is_some() { &xq_g } else { &xq_u };
         // SAFETY: slot < experts in the cold tensor and r + u_off < its rows.
         let u = u_mat.traits.dot(n_embd, unsafe { u_mat.data.add(slot * u_mat.nb2 + (r + u_off) * u_mat.nb1) }, &xq_u);
         let g = match g_mat {
             // SAFETY: as above, for the gate rows.
-            Some(g) => g.traits.dot(n_embd, unsafe { g.data.add(slot * g.nb2 + r * g.nb1) }, &xq_g),
+            Some(g) => g.traits.dot(n_embd, unsafe { g.data.add(slot * g.nb2 + r * g.nb1) }, xq_g),
             None => 0.0,
         };
         // SAFETY: h holds [n_ff, n_used, n_tok]; each (t, k, r) is written by one thread only.
