@@ -7,18 +7,34 @@
 // host thread of this file that spins on a mailbox in mapped memory: a one-thread kernel posts
 // the op there and a second one holds the stream until the host answers. A callback's latency
 // is tens of microseconds; the mailbox's a few, which is what a step with one host op per layer
-// needs.
+// needs. An op registered with ggml_backend_register_host_op_async is only posted: the stream
+// goes on at once and its output is not copied back (an op that starts host work whose result a
+// later op collects); the host runs every stream's posts in order.
 #include <chrono>
 #include <thread>
 
 static std::mutex                     ggml_cuda_host_ops_mutex;
 static std::vector<ggml_custom_op_t> ggml_cuda_host_ops;
+static std::vector<ggml_custom_op_t> ggml_cuda_host_ops_async;
 
 static void ggml_backend_cuda_register_host_op(ggml_custom_op_t fun) {
     std::lock_guard<std::mutex> lock(ggml_cuda_host_ops_mutex);
     if (std::find(ggml_cuda_host_ops.begin(), ggml_cuda_host_ops.end(), fun) == ggml_cuda_host_ops.end()) {
         ggml_cuda_host_ops.push_back(fun);
     }
+}
+
+static void ggml_backend_register_host_op_async(ggml_custom_op_t fun) {
+    ggml_backend_cuda_register_host_op(fun);
+    std::lock_guard<std::mutex> lock(ggml_cuda_host_ops_mutex);
+    if (std::find(ggml_cuda_host_ops_async.begin(), ggml_cuda_host_ops_async.end(), fun) == ggml_cuda_host_ops_async.end()) {
+        ggml_cuda_host_ops_async.push_back(fun);
+    }
+}
+
+static bool ggml_cuda_host_op_is_async(ggml_custom_op_t fun) {
+    std::lock_guard<std::mutex> lock(ggml_cuda_host_ops_mutex);
+    return std::find(ggml_cuda_host_ops_async.begin(), ggml_cuda_host_ops_async.end(), fun) != ggml_cuda_host_ops_async.end();
 }
 
 static bool ggml_cuda_is_host_op(const ggml_tensor * op) {
@@ -37,6 +53,7 @@ struct ggml_cuda_host_op_state {
     ggml_tensor      dst;
     ggml_tensor      src[GGML_MAX_SRC];
     bool             staged[GGML_MAX_SRC];
+    bool             async;
 };
 
 static void ggml_cuda_host_op_run(void * data) {
@@ -44,18 +61,23 @@ static void ggml_cuda_host_op_run(void * data) {
     st->fun(&st->dst, 0, 1, st->userdata);
 }
 
-// The mailbox of one stream: at most one op of a stream is posted at a time, since the stream
-// waits for each before it goes on. `req` and `done` count posts; the device's own count of posts
-// (`seq`, device memory) lets a captured CUDA graph replay the same two kernels every step.
+// The mailbox of one stream: a ring of posted ops. `req` counts posts and `done` the posts the
+// host has run; the device's own count of posts (`seq`, device memory) lets a captured CUDA graph
+// replay the same kernels every step. A post waits while the ring is full (asynchronous posts
+// that nothing waited for).
+static constexpr unsigned long long GGML_CUDA_HOST_POSTS = 64;
+
 struct ggml_cuda_host_mailbox_mem {
-    unsigned long long                  req;
-    unsigned long long                  done;
-    ggml_cuda_host_op_state *           st;
+    unsigned long long        req;
+    unsigned long long        done;
+    ggml_cuda_host_op_state * st[GGML_CUDA_HOST_POSTS];
 };
 
 struct ggml_cuda_host_mailbox {
     ggml_cuda_host_mailbox_mem * host;
     ggml_cuda_host_mailbox_mem * dev;
+    // device memory: [0] posts, [1] the last `done` a kernel read (so a post reads the host's
+    // only when the ring may be full)
     unsigned long long *         seq;
     int                          device;
     cudaStream_t                 stream;
@@ -70,22 +92,11 @@ static void ggml_backend_host_ops_by_flag(bool on) {
     ggml_cuda_host_ops_flag.store(on);
 }
 
-static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
-    const unsigned long long s = *seq + 1;
-    *seq = s;
-    *(ggml_cuda_host_op_state * volatile *) &mb->st = st;
-    __threadfence_system();
-    *(volatile unsigned long long *) &mb->req = s;
-    __threadfence_system();
-}
-
-// Holds the stream until the host has answered this stream's last post. A host that never
-// answers (its thread gone) would hang the device: after a minute the kernel traps instead.
-static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, const unsigned long long * seq) {
-    const unsigned long long s = *seq;
+// Traps after a minute: a host that never answers (its thread gone) would hang the device.
+static __device__ void ggml_cuda_host_op_until(const volatile unsigned long long * done, unsigned long long at_least) {
 #if defined(GGML_USE_HIP)
     const long long t0 = wall_clock64();
-    while (*(volatile unsigned long long *) &mb->done != s) {
+    while (*done < at_least) {
         __builtin_amdgcn_s_sleep(1);
         // wall_clock64 runs at 100 MHz on RDNA3
         if (wall_clock64() - t0 > 6000000000LL) {
@@ -95,7 +106,7 @@ static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, c
 #else
     unsigned long long t0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    while (*(volatile unsigned long long *) &mb->done != s) {
+    while (*done < at_least) {
         __nanosleep(64);
         unsigned long long t;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -105,6 +116,25 @@ static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, c
         }
     }
 #endif
+}
+
+static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
+    const unsigned long long s = seq[0] + 1;
+    seq[0] = s;
+    if (s > GGML_CUDA_HOST_POSTS && seq[1] < s - GGML_CUDA_HOST_POSTS) {
+        ggml_cuda_host_op_until(&mb->done, s - GGML_CUDA_HOST_POSTS);
+        seq[1] = *(volatile unsigned long long *) &mb->done;
+    }
+    *(ggml_cuda_host_op_state * volatile *) &mb->st[s % GGML_CUDA_HOST_POSTS] = st;
+    __threadfence_system();
+    *(volatile unsigned long long *) &mb->req = s;
+    __threadfence_system();
+}
+
+// Holds the stream until the host has run this stream's last post (and every one before it).
+static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq) {
+    ggml_cuda_host_op_until(&mb->done, seq[0]);
+    seq[1] = seq[0];
     __threadfence_system();
 }
 
@@ -119,13 +149,12 @@ static void ggml_cuda_host_op_server() {
         for (int i = 0; i < n; ++i) {
             ggml_cuda_host_mailbox_mem * mb = ggml_cuda_host_mailboxes[i].host;
             const unsigned long long r = __atomic_load_n(&mb->req, __ATOMIC_ACQUIRE);
-            if (r == seen[i]) {
-                continue;
+            while (seen[i] < r) {
+                seen[i]++;
+                ggml_cuda_host_op_run(__atomic_load_n(&mb->st[seen[i] % GGML_CUDA_HOST_POSTS], __ATOMIC_ACQUIRE));
+                __atomic_store_n(&mb->done, seen[i], __ATOMIC_RELEASE);
+                any = true;
             }
-            ggml_cuda_host_op_run(__atomic_load_n(&mb->st, __ATOMIC_ACQUIRE));
-            seen[i] = r;
-            __atomic_store_n(&mb->done, r, __ATOMIC_RELEASE);
-            any = true;
         }
         const auto now = std::chrono::steady_clock::now();
         if (any) {
@@ -153,10 +182,10 @@ static ggml_cuda_host_mailbox * ggml_cuda_host_mailbox_for(int device, cudaStrea
     CUDA_CHECK(cudaHostAlloc((void **) &mb.host, sizeof(ggml_cuda_host_mailbox_mem), cudaHostAllocMapped | cudaHostAllocPortable));
     memset(mb.host, 0, sizeof(ggml_cuda_host_mailbox_mem));
     CUDA_CHECK(cudaHostGetDevicePointer((void **) &mb.dev, mb.host, 0));
-    CUDA_CHECK(cudaMalloc((void **) &mb.seq, sizeof(unsigned long long)));
-    // Synchronous, so the first post (on a non-blocking stream) reads a zero.
-    const unsigned long long zero = 0;
-    CUDA_CHECK(cudaMemcpy(mb.seq, &zero, sizeof(zero), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMalloc((void **) &mb.seq, 2 * sizeof(unsigned long long)));
+    // Synchronous, so the first post (on a non-blocking stream) reads zeros.
+    const unsigned long long zero[2] = { 0, 0 };
+    CUDA_CHECK(cudaMemcpy(mb.seq, zero, sizeof(zero), cudaMemcpyHostToDevice));
     ggml_cuda_host_mailbox_count.store(n + 1, std::memory_order_release);
     if (n == 0) {
         std::thread(ggml_cuda_host_op_server).detach();
@@ -208,6 +237,7 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
             st = new ggml_cuda_host_op_state{};
             st->fun      = p->fun;
             st->userdata = p->userdata;
+            st->async    = ggml_cuda_host_op_is_async(p->fun);
             st->dst      = *dst;
             st->dst.data   = stage;
             st->dst.buffer = nullptr;
@@ -243,6 +273,10 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
     if (ggml_cuda_host_ops_flag.load()) {
         ggml_cuda_host_mailbox * mb = ggml_cuda_host_mailbox_for(ctx.device, stream);
         ggml_cuda_host_op_post<<<1, 1, 0, stream>>>(mb->dev, mb->seq, st);
+        CUDA_CHECK(cudaGetLastError());
+        if (st->async) {
+            return;
+        }
         ggml_cuda_host_op_wait<<<1, 1, 0, stream>>>(mb->dev, mb->seq);
         CUDA_CHECK(cudaGetLastError());
     } else {

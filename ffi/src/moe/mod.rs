@@ -823,14 +823,19 @@ fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool, mailbox: bool) ->
         return HandOff::Callback;
     }
     type ByFlag = unsafe extern "C" fn(bool);
-    match crate::backend::proc_address(dev, c"ggml_backend_host_ops_by_flag") {
-        Some(f) => {
-            // SAFETY: the proc address has the ByFlag signature (patches/0009).
-            unsafe { std::mem::transmute::<*mut std::ffi::c_void, ByFlag>(f)(true) };
-            HandOff::Mailbox
-        }
-        None => HandOff::Callback,
+    let (Some(by_flag), Some(register_async)) =
+        (crate::backend::proc_address(dev, c"ggml_backend_host_ops_by_flag"), crate::backend::proc_address(dev, c"ggml_backend_register_host_op_async"))
+    else {
+        return HandOff::Callback;
+    };
+    // The launch and the count write nothing the device reads: the stream need not wait for them.
+    for op in [pool::launch, kernels::count] {
+        // SAFETY: the proc address has the Register signature (patches/0009).
+        unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(register_async)(Some(op)) };
     }
+    // SAFETY: the proc address has the ByFlag signature (patches/0009).
+    unsafe { std::mem::transmute::<*mut std::ffi::c_void, ByFlag>(by_flag)(true) };
+    HandOff::Mailbox
 }
 
 /// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
