@@ -1168,8 +1168,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     if plan.cold_threads > 0 && !plan.count_only {
         workers = plan.cold_threads as usize;
         if hand_off != HandOff::Cpu {
-            // The GPU's callback thread and the thread waiting on the stream spin as well; a
-            // worker without a core of its own stalls every step's barrier by a time slice.
+            // The thread answering host ops (callbacks or the mailbox) and the one waiting on the
+            // stream spin as well; a worker without a core of its own stalls every step's barrier.
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             workers = workers.min(cores.saturating_sub(2)).max(1);
         }
