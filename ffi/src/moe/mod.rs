@@ -828,11 +828,10 @@ fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool, mailbox: bool) ->
     else {
         return HandOff::Callback;
     };
-    // The launch and the count write nothing the device reads: the stream need not wait for them.
-    for op in [pool::launch, kernels::count] {
-        // SAFETY: the proc address has the Register signature (patches/0009).
-        unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(register_async)(Some(op)) };
-    }
+    // The launch writes nothing the device reads, and its join, later in the same graph, waits
+    // for it: the stream need not. (The count stays waited for, so no op outlives its graph.)
+    // SAFETY: the proc address has the Register signature (patches/0009).
+    unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(register_async)(Some(pool::launch)) };
     // SAFETY: the proc address has the ByFlag signature (patches/0009).
     unsafe { std::mem::transmute::<*mut std::ffi::c_void, ByFlag>(by_flag)(true) };
     HandOff::Mailbox
