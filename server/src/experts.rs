@@ -404,8 +404,12 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             p.layout.layers.len(),
             if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" }
         ),
+        _ if placement.workers_in_step.is_some() && cfg.pcie_frac > 0.0 => {
+            format!("on {cpu} (STRATA_COLD_DECODE=workers does not apply: --pcie-frac uploads need the graph split)")
+        }
         _ if placement.workers_in_step.is_some() => format!(
-            "on {cpu} inside the device step ({}; prompt batches as before)",
+            "on {} inside the device step ({}; prompt batches as before)",
+            if placement.workers == 0 { "one thread (--pool-workers 0)".to_string() } else { cpu },
             match placement.workers_in_step {
                 Some(moe::HandOff::Mailbox) => format!("handed over by host ops that a mailbox in mapped memory answers, {} stays one device graph a step", placement.hot_device),
                 Some(moe::HandOff::Callback) => format!("handed over by host callbacks: {}'s module has no mailbox for host ops (patches/0009)", placement.hot_device),

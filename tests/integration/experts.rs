@@ -157,6 +157,15 @@ fn split_experts_match_the_unsplit_model() {
         let log = s.log.lock().unwrap().clone();
         assert!(log.contains("inside the device step (no GPU takes host ops"), "{log}");
     }
+    // --pcie-frac's uploads need the split: the workers stay outside the step, and the log says so.
+    let s = Server::start(
+        &["-m", m, "-c", "2048", "--mmap-experts", "--expert-cache", "30", "--pool-workers", "2", "--pcie-frac", "0.5"],
+        &[("STRATA_COLD_DECODE", "workers")],
+    );
+    assert_same(&ref_short, &generate(&s, SHORT), "workers with --pcie-frac, short prompt");
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("STRATA_COLD_DECODE=workers does not apply: --pcie-frac"), "{log}");
+    drop(s);
 
     // --pcie-frac: half of each decode step's misses go to the staging slots, the rest to the pool.
     let uploading =
