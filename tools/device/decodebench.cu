@@ -22,6 +22,12 @@
 //     add. Says whether the driver allows it (and host access to the cold part, to fill it in
 //     place), the per-layer read costs through it, and the per-token graph with one set of
 //     kernels per layer against (a)'s two.
+// (f) the workers inside the step (STRATA_COLD_DECODE=workers, kernels/cuda/host-ops.cuh): per
+//     layer the launch's copies (8 KiB and 32 bytes to the host) and post, not waited for; the hot
+//     experts (8 read from VRAM, as in (a)); the join's copy (4 bytes), post and wait; its result
+//     (n_embd x n_used f32, 64 KiB) back and an add. A host thread answers the posts in order and,
+//     for each join, spins until W us after its launch (the workers' arithmetic); one CUDA graph of
+//     48 layers, against the hot reads alone, for W = 0, 15 and 40.
 // Prints one JSON object per measurement.
 #include "bench.cuh"
 
@@ -32,6 +38,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -82,6 +89,30 @@ __global__ void signal(volatile int * flag, int v) {
 
 __global__ void wait_for(volatile int * flag, int v) {
     while (*flag != v) {
+    }
+}
+
+// (f)'s mailbox, as host-ops.cuh keeps one per stream: posts counted in device memory, a ring of
+// what was posted in mapped host memory.
+struct mailbox {
+    unsigned long long req;
+    unsigned long long done;
+    int kind[64];
+};
+
+__global__ void mb_post(mailbox * mb, unsigned long long * seq, int kind) {
+    const unsigned long long n = seq[0] + 1;
+    seq[0] = n;
+    *(volatile int *) &mb->kind[n % 64] = kind;
+    __threadfence_system();
+    *(volatile unsigned long long *) &mb->req = n;
+    __threadfence_system();
+}
+
+__global__ void mb_wait(mailbox * mb, const unsigned long long * seq) {
+    const unsigned long long n = seq[0];
+    while (*(volatile unsigned long long *) &mb->done < n) {
+        __nanosleep(64);
     }
 }
 
@@ -315,6 +346,71 @@ int main() {
     }
     stop = true;
     cpu.join();
+
+    // (f) the workers inside the step: launch posted (not waited for), hot experts, join waited for
+    {
+        mailbox * mb;
+        CK(cudaHostAlloc((void **) &mb, sizeof(mailbox), cudaHostAllocMapped));
+        std::memset(mb, 0, sizeof(mailbox));
+        mailbox * mb_dev;
+        CK(cudaHostGetDevicePointer((void **) &mb_dev, mb, 0));
+        unsigned long long * seq;
+        CK(cudaMalloc(&seq, sizeof(unsigned long long)));
+        CK(cudaMemset(seq, 0, sizeof(unsigned long long)));
+        CK(cudaDeviceSynchronize());
+        char *h_src, *h_res;
+        float *d_x, *d_res;
+        CK(cudaMallocHost(&h_src, 16384));
+        CK(cudaMallocHost(&h_res, 65536));
+        CK(cudaMalloc(&d_x, 16384));
+        CK(cudaMalloc(&d_res, 65536));
+        std::atomic<int> work_us{0};
+        std::atomic<bool> halt{false};
+        std::thread host([&] {
+            unsigned long long seen = 0;
+            double launched = 0;
+            while (!halt.load(std::memory_order_relaxed)) {
+                const unsigned long long r = __atomic_load_n(&mb->req, __ATOMIC_ACQUIRE);
+                while (seen < r) {
+                    ++seen;
+                    if (__atomic_load_n(&mb->kind[seen % 64], __ATOMIC_ACQUIRE) == 0) {
+                        launched = now_s();
+                    } else {
+                        while (now_s() < launched + work_us.load() * 1e-6) {
+                        }
+                    }
+                    __atomic_store_n(&mb->done, seen, __ATOMIC_RELEASE);
+                }
+            }
+        });
+        const double hot = graph_us(s, [&] {
+            for (int l = 0; l < LAYERS; ++l) {
+                layer_reads(dev, ids + (l * 8) % 56, 8, out, s);
+            }
+        });
+        std::printf("{\"mechanism\":\"workers-in-step\",\"graph_layers\":%d,\"hand_off\":false,\"us_per_token\":%.1f}\n", LAYERS, hot);
+        for (int w : {0, 15, 40}) {
+            work_us = w;
+            const double us = graph_us(s, [&] {
+                for (int l = 0; l < LAYERS; ++l) {
+                    CK(cudaMemcpyAsync(h_src, d_x, 8192, cudaMemcpyDeviceToHost, s));
+                    CK(cudaMemcpyAsync(h_src + 8192, ids, 32, cudaMemcpyDeviceToHost, s));
+                    mb_post<<<1, 1, 0, s>>>(mb_dev, seq, 0);
+                    layer_reads(dev, ids + (l * 8) % 56, 8, out, s);
+                    CK(cudaMemcpyAsync(h_src + 12288, d_x, 4, cudaMemcpyDeviceToHost, s));
+                    mb_post<<<1, 1, 0, s>>>(mb_dev, seq, 1);
+                    mb_wait<<<1, 1, 0, s>>>(mb_dev, seq);
+                    CK(cudaMemcpyAsync(d_res, h_res, 65536, cudaMemcpyHostToDevice, s));
+                    small_op<<<1, 256, 0, s>>>(d_x);
+                }
+            });
+            std::printf("{\"mechanism\":\"workers-in-step\",\"graph_layers\":%d,\"hand_off\":true,\"cpu_work_us\":%d,\"us_per_token\":%.1f,"
+                        "\"us_per_layer_over_hot\":%.2f}\n",
+                        LAYERS, w, us, (us - hot) / LAYERS);
+        }
+        halt = true;
+        host.join();
+    }
 
     // (c) today's scheduler split per layer: sync, 8 KiB to the host and back, relaunch
     {
