@@ -119,7 +119,15 @@ impl ExpertConfig {
                     Ok("cpu") => Some(moe::ColdDecode::Cpu),
                     Ok("mapped") => Some(moe::ColdDecode::Mapped),
                     Ok("workers") => Some(moe::ColdDecode::Workers),
-                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu, mapped or workers")),
+                    Ok("mixed") => Some(moe::ColdDecode::Mixed),
+                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu, mapped, workers or mixed")),
+                },
+                workers_min_cold: match std::env::var("STRATA_WORKERS_MIN_COLD") {
+                    Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
+                        Ok(c) if c.is_finite() && c >= 0.0 => Some(c),
+                        _ => return Err(format!("STRATA_WORKERS_MIN_COLD: invalid value '{v}': expected the cold selections a token (0 or more) from which a layer's decode hands them to the workers")),
+                    },
+                    _ => None,
                 },
             },
         };
@@ -397,7 +405,22 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
         (n, _) => format!("a pool of {n} workers"),
     } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" };
+    let hand_off = match placement.workers_in_step {
+        Some(moe::HandOff::Mailbox) => {
+            format!("handed over by host ops that a mailbox in mapped memory answers, {} stays one device graph a step", placement.hot_device)
+        }
+        Some(moe::HandOff::Callback) => format!("handed over by host callbacks: {}'s module has no mailbox for host ops (patches/0009)", placement.hot_device),
+        _ => "no GPU takes host ops: the CPU runs them between graph splits".to_string(),
+    };
+    let step_workers = if placement.workers == 0 { "one thread (--pool-workers 0)".to_string() } else { cpu.clone() };
     let decode = match (placement.zero_copy_layers, &placement.zero_copy_off) {
+        (n, _) if n > 0 && placement.workers_layers > 0 => format!(
+            "computed by {step_workers} inside the device step in {} of {} tiered layers ({hand_off}; the GPU reads their hot experts through tables of pointers), read by {} from the page-locked RAM copy in the other {} (zero-copy); prompt batches and the rest on {cpu}",
+            placement.workers_layers,
+            p.layout.layers.len(),
+            placement.hot_device,
+            n - placement.workers_layers,
+        ),
         (n, _) if n > 0 => format!(
             "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}; prompt batches and the rest on {cpu})",
             placement.hot_device,
@@ -407,15 +430,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         _ if placement.workers_in_step.is_some() && cfg.pcie_frac > 0.0 => {
             format!("on {cpu} (STRATA_COLD_DECODE=workers does not apply: --pcie-frac uploads need the graph split)")
         }
-        _ if placement.workers_in_step.is_some() => format!(
-            "on {} inside the device step ({}; prompt batches as before)",
-            if placement.workers == 0 { "one thread (--pool-workers 0)".to_string() } else { cpu },
-            match placement.workers_in_step {
-                Some(moe::HandOff::Mailbox) => format!("handed over by host ops that a mailbox in mapped memory answers, {} stays one device graph a step", placement.hot_device),
-                Some(moe::HandOff::Callback) => format!("handed over by host callbacks: {}'s module has no mailbox for host ops (patches/0009)", placement.hot_device),
-                _ => "no GPU takes host ops: the CPU runs them between graph splits".to_string(),
-            }
-        ),
+        _ if placement.workers_in_step.is_some() => format!("on {step_workers} inside the device step ({hand_off}; prompt batches as before)"),
         (_, Some(why)) => format!("on {cpu} (zero-copy decode off: {why})"),
         _ => format!("on {cpu}"),
     };

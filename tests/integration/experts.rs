@@ -217,6 +217,7 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     let dir = tmp("zero-copy");
     let profile = record_profile(&dir);
     let root = guard_root(&dir, 64 << 20);
+    let mut cpu_selections = Vec::new();
     // 24 of 64 experts hot, then every expert hot: no layer has cold experts, and zero-copy
     // decode still logs the routing (a RAM copy of the pad alone per layer) instead of counting
     // with a CPU op, as the CPU path does.
@@ -241,6 +242,60 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
         assert!(selections[0][0] > 0 && (selections[0][1] > 0) == (cache == "24"), "{selections:?}");
         for (i, what) in ["zero-copy decode", "zero-copy decode through tables", "zero-copy decode by default"].iter().enumerate().take(arms.len() - 1) {
             assert_eq!(selections[0], selections[i + 1], "{cache} hot: selections by tier (vram, ram): CPU decode vs {what}");
+        }
+        cpu_selections.push(selections[0]);
+    }
+
+    // The workers inside the step beside the tables (STRATA_COLD_DECODE=workers, and mixed by
+    // each layer's expected cold selections): the hot experts through the tables with cold
+    // entries at the hot tier's zero pad, the workers' results added; the same tokens and the
+    // same counts by tier as CPU decode. Fully hot layers (64 hot) log their routing instead.
+    for (cache, mode, min_cold, workers) in [
+        ("24", "workers", "", "2"),
+        ("24", "workers", "", "0"),
+        ("24", "mixed", "0", "2"),
+        ("24", "mixed", "1000", "2"),
+        ("24", "mixed", "", "2"),
+        ("64", "workers", "", "2"),
+    ] {
+        let args = [
+            "-m",
+            m,
+            "-c",
+            "2048",
+            "--metrics",
+            "--resident-cpu-experts",
+            "--expert-profile",
+            profile.to_str().unwrap(),
+            "--expert-cache",
+            cache,
+            "--pool-workers",
+            workers,
+        ];
+        let env = [
+            ("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()),
+            ("STRATA_COLD_DECODE", mode),
+            ("STRATA_DECODE_TABLE", "1"),
+            ("STRATA_WORKERS_MIN_COLD", min_cold),
+        ];
+        let s = Server::start(&args, &env);
+        let what = format!("{cache} hot, {mode} decode (at least {min_cold:?} cold a token), {workers} workers");
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        let by_tier = [metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")];
+        assert_eq!(by_tier, cpu_selections[usize::from(cache == "64")], "{what}: selections by tier (vram, ram) against CPU decode");
+        let log = s.log.lock().unwrap().clone();
+        let in_step = log.split("inside the device step in ").nth(1).map(|rest| rest.split(' ').next().unwrap().parse::<usize>().unwrap()).unwrap_or(0);
+        match (cache, min_cold) {
+            ("64", _) | (_, "1000") => {
+                assert_eq!(in_step, 0, "{what}: {log}");
+                assert!(log.contains("from the page-locked RAM copy in 4 of 4 tiered layers (zero-copy"), "{what}: {log}");
+            }
+            (_, "") if mode == "mixed" => assert!(in_step <= 4, "{what}: {log}"),
+            _ => {
+                assert!(in_step > 0, "{what}: {log}");
+                assert!(log.contains(&format!("inside the device step in {in_step} of 4 tiered layers (no GPU takes host ops")), "{what}: {log}");
+            }
         }
     }
 

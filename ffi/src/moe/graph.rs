@@ -224,7 +224,27 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
     // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
     // layer without cold experts runs the hot chain alone and logs its routing the same way.
-    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens) {
+    // A layer whose cold selections go to the workers inside the step reads its hot experts
+    // through the tables, cold ones pointing at a zero pad in VRAM; the workers add the rest.
+    let workers_table = lt.workers_in_step && lt.n_cold > 0 && !prompt;
+    if let Some(t) = lt.zero_copy.as_ref().filter(|z| workers_table && n_tok <= z.max_tokens).and_then(|z| z.by_table.as_ref()) {
+        // Inside the device step every source is one more copy to the host: only cur and sel.
+        let ticket = (lt.cold_threads > 0).then(|| {
+            let t = g.named(g.custom([1, 1, 1], &mut [args.cur, sel], Some(pool::launch), 1, lt), "strata_pool_launch");
+            g.expand(t);
+            t
+        });
+        let hot = g.ffn("strata_table_mm", &t.mats, sel, act, false)?;
+        g.expand(hot);
+        let cold = match ticket {
+            Some(t) => g.named(g.custom([n_embd, n_used, n_tok], &mut [t], Some(pool::join), 1, lt), "strata_pool_join"),
+            None => g.named(g.custom([n_embd, n_used, n_tok], &mut [args.cur, sel, sel], Some(pool::step), 1, lt), "strata_pool_step"),
+        };
+        // SAFETY: both are [n_embd, n_used, n_tok] f32 graph tensors, each zero where the other computes.
+        let experts = unsafe { sys::ggml_add(g.ctx, hot, cold) };
+        return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
+    }
+    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && !workers_table) {
         // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
         let log = || unsafe {
             let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);

@@ -149,10 +149,17 @@ pub struct Switches {
     /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE, patches/0008);
     /// None: on where the hot tier is on a CUDA device, whose kernels were measured with it.
     pub decode_table: Option<bool>,
-    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped|workers); None: mapped where the
-    /// cold experts are a page-locked copy that the GPU can read, else the CPU.
+    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped|workers|mixed); None: mapped
+    /// where the cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
+    /// With `ColdDecode::Mixed`, the cold selections a token must be expected to make in a layer
+    /// for the workers to take it (STRATA_WORKERS_MIN_COLD; None: WORKERS_MIN_COLD).
+    pub workers_min_cold: Option<f64>,
 }
+
+/// The expected cold selections a token from which a layer's decode hands them to the workers
+/// rather than reading them over the bus (`ColdDecode::Mixed`).
+pub const WORKERS_MIN_COLD: f64 = 0.5;
 
 /// How a GPU backend hands host ops to the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,6 +194,10 @@ pub struct Placement {
     pub zero_copy_off: Option<String>,
     /// Whether zero-copy decode reads experts through tables of pointers.
     pub decode_table: bool,
+    /// Tiered layers whose decode hands its cold selections to the workers inside the step
+    /// (STRATA_COLD_DECODE=workers or mixed); where they are zero-copy layers too, the GPU reads
+    /// their hot experts through the tables and the other zero-copy layers read cold ones over the bus.
+    pub workers_layers: usize,
     /// Tiered layers whose hot tier adapts at run time (`--adapt-every`), and why others do not.
     pub adapt_layers: usize,
     pub adapt_off: Option<String>,
@@ -386,7 +397,9 @@ impl LayerTiers {
         }
         if let Some(t) = z.by_table.as_ref() {
             // Lent slots count from the window's base, where the hot tier's slots begin too.
-            t.write(self.decode_window.as_ref().or(self.hot.as_ref().map(|h| &h.mats)), &z.mats, &hot, &cold);
+            // The workers' layers point cold experts at the hot tier's first zero pad.
+            let hot_pad = (self.workers_in_step && self.hot.is_some()).then_some(self.n_hot);
+            t.write(self.decode_window.as_ref().or(self.hot.as_ref().map(|h| &h.mats)), &z.mats, &hot, &cold, hot_pad);
         }
     }
 
@@ -1160,7 +1173,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
     let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
-    let in_step = !plan.count_only && plan.switches.cold_decode == Some(ColdDecode::Workers);
+    let in_step = !plan.count_only && matches!(plan.switches.cold_decode, Some(ColdDecode::Workers | ColdDecode::Mixed));
     let hand_off = if plan.count_only { HandOff::Cpu } else { host_ops(dev, gpu, plan.switches.host_op || in_step, in_step) };
     let host_op = !plan.count_only && plan.switches.host_op;
     let mut workers = 0;
@@ -1222,12 +1235,19 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     } else {
         None
     };
+    // The workers' layers read their hot experts through the zero-copy layer's tables (cold
+    // entries at a zero pad in VRAM); the GPU reaches a RAM copy only when it is page-locked.
     let zero_copy_wanted = !plan.count_only
         && match plan.switches.cold_decode {
             Some(ColdDecode::Mapped) => plan.cold != ColdCopy::Mapped,
-            Some(ColdDecode::Cpu | ColdDecode::Workers) => false,
+            Some(ColdDecode::Workers | ColdDecode::Mixed) => plan.cold == ColdCopy::PinnedRam || (!gpu && plan.cold != ColdCopy::Mapped),
+            Some(ColdDecode::Cpu) => false,
             None => gpu && plan.cold == ColdCopy::PinnedRam,
         };
+    let workers_min_cold = match plan.switches.cold_decode {
+        Some(ColdDecode::Mixed) => plan.switches.workers_min_cold.unwrap_or(WORKERS_MIN_COLD),
+        _ => 0.0,
+    };
     if gpu && plan.switches.cold_decode.is_none() && !plan.count_only && plan.cold != ColdCopy::PinnedRam {
         placement.zero_copy_off = Some("the cold experts are not a page-locked copy (--resident-experts)".into());
     }
@@ -1281,8 +1301,14 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
         let skip_map = zc_layer.then(|| a.map(n_expert, &format!("blk.{il}.exps.skip_map")));
-        // Decode's hot chain also runs without hot experts when ring slots may be lent to it.
-        let lend_layer = plan.switches.ring_lend && windowed.is_some();
+        let cold_share_prior = plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c);
+        // Decode's cold selections to the workers: every layer with cold experts, or (mixed) those
+        // expected to select enough of them a token that reading them over the bus costs more.
+        // (--pcie-frac's uploads need the graph split: then they stay outside the step.)
+        let layer_workers = in_step && n_cold > 0 && plan.pcie_frac == 0.0 && n_used as f64 * cold_share_prior >= workers_min_cold;
+        // Decode's hot chain also runs without hot experts when ring slots may be lent to it
+        // (not where the workers compute the cold ones: they would compute a lent one too).
+        let lend_layer = plan.switches.ring_lend && windowed.is_some() && !layer_workers;
         let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
         let tables = (zc_layer && decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
         placement.decode_table |= tables.is_some();
@@ -1385,6 +1411,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         placement.bytes[cold_tier as usize] += (cold_list.len() * info.expert_bytes) as u64;
         let key = src.down.map_or(0, |t| t as usize);
         placement.zero_copy_layers += usize::from(zero_copy.is_some());
+        placement.workers_layers += usize::from(layer_workers);
         if zero_copy.is_some() {
             ZERO_COPY.store(true, Ordering::Relaxed);
         }
@@ -1427,11 +1454,11 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 count_only: plan.count_only,
                 flat_from: flat_from(gpu, quantized, plan.switches.flat_ids),
                 n_used,
-                cold_share_prior: plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c),
+                cold_share_prior,
                 staging,
                 pcie_frac: plan.pcie_frac,
                 host_op,
-                workers_in_step: in_step,
+                workers_in_step: layer_workers || (in_step && zero_copy.is_none()),
                 tally,
                 window,
                 ring: ring_entry,

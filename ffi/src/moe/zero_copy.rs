@@ -30,6 +30,9 @@ pub enum ColdDecode {
     /// CPU workers compute them while the GPU computes the hot ones, handed over by host ops
     /// that a mailbox in mapped memory answers (patches/0009); the step stays one device graph.
     Workers,
+    /// Per layer: the workers where a token is expected to select at least
+    /// `Switches::workers_min_cold` cold experts, zero-copy reads elsewhere.
+    Mixed,
 }
 
 /// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the map
@@ -204,7 +207,9 @@ impl ByTable {
 
     /// Points expert e at slot `hot[e]` of `hot_mats` when that is >= 0, else at row `cold[e]`
     /// of `copy`, else at the copy's zero pad row (as the two chains' skips would compute zero).
-    pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32]) {
+    /// With `hot_pad`, a cold expert points at that zero slot of `hot_mats` instead: the CPU workers
+    /// compute it, and the GPU reads nothing over the bus.
+    pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32], hot_pad: Option<usize>) {
         let hots: Vec<Option<T>> = match hot_mats {
             Some(h) => h.iter().map(Some).collect(),
             None => copy.iter().map(|_| None).collect(),
@@ -213,9 +218,10 @@ impl ByTable {
             // SAFETY: live tensors; h and c hold experts of the same shape and type.
             let (cold_base, nb2, pad, hot_base) = unsafe { ((*c).data as u64, (*c).nb[2] as u64, (*c).ne[2] as u64 - 1, h.map(|h| (*h).data as u64)) };
             let entries: Vec<u64> = (0..hot.len())
-                .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e])) {
-                    (Some(b), Ok(s), _) => b + s * nb2,
-                    (_, _, Ok(r)) => cold_base + r * nb2,
+                .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e]), hot_pad) {
+                    (Some(b), Ok(s), _, _) => b + s * nb2,
+                    (Some(b), _, Ok(_), Some(p)) => b + p as u64 * nb2,
+                    (_, _, Ok(r), _) => cold_base + r * nb2,
                     _ => cold_base + pad * nb2,
                 })
                 .collect();

@@ -313,7 +313,12 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_COLD_DECODE",
-        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009; not measured on a GPU yet)",
+        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009), mixed = per layer, the workers where a token is expected to select STRATA_WORKERS_MIN_COLD cold experts or more, zero-copy reads elsewhere",
+        effect: Effect::Experts,
+    },
+    EnvVar {
+        name: "STRATA_WORKERS_MIN_COLD",
+        help: "with STRATA_COLD_DECODE=mixed, the cold selections a token (by the profile's hit rate of the layer) from which a layer's decode hands them to the workers (default 0.5)",
         effect: Effect::Experts,
     },
     EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
