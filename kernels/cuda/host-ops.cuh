@@ -37,6 +37,21 @@ static bool ggml_cuda_host_op_is_async(ggml_custom_op_t fun) {
     return std::find(ggml_cuda_host_ops_async.begin(), ggml_cuda_host_ops_async.end(), fun) != ggml_cuda_host_ops_async.end();
 }
 
+// The output of an op registered with ggml_backend_register_host_op_async.
+static bool ggml_cuda_is_async_output(const ggml_tensor * t) {
+    return t->op == GGML_OP_CUSTOM && ggml_cuda_host_op_is_async(((const ggml_custom_op_params *) t->op_params)->fun);
+}
+
+// GGML_CUDA_HOST_OP_COPY_NODES=1: a mailbox op's copies as copy nodes of their own (the form
+// before its kernels did them; for comparison).
+static bool ggml_cuda_host_op_copy_nodes() {
+    static const bool on = [] {
+        const char * v = getenv("GGML_CUDA_HOST_OP_COPY_NODES");
+        return v != nullptr && strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+
 static bool ggml_cuda_is_host_op(const ggml_tensor * op) {
     if (op->op != GGML_OP_CUSTOM) {
         return false;
@@ -54,6 +69,9 @@ struct ggml_cuda_host_op_state {
     ggml_tensor      src[GGML_MAX_SRC];
     bool             staged[GGML_MAX_SRC];
     bool             async;
+    // the staging as the host and as the device address it
+    char *           stage;
+    char *           stage_dev;
 };
 
 static void ggml_cuda_host_op_run(void * data) {
@@ -118,7 +136,53 @@ static __device__ void ggml_cuda_host_op_until(const volatile unsigned long long
 #endif
 }
 
+static __device__ void ggml_cuda_host_op_post_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st);
+
 static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
+    ggml_cuda_host_op_post_one(mb, seq, st);
+}
+
+// Holds the stream until the host has run this stream's last post (and every one before it).
+static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq) {
+    ggml_cuda_host_op_until(&mb->done, seq[0]);
+    seq[1] = seq[0];
+    __threadfence_system();
+}
+
+// A host op's copies done by its own kernels: the sources into their staging before the post,
+// the result out of its staging after the wait. One node where copies would add one each (a
+// node costs a decode step about 2 us in a CUDA graph, and a layer of host ops had seven).
+static constexpr int GGML_CUDA_HOST_OP_KERNEL_COPIES = 4;
+
+struct ggml_cuda_host_op_copies {
+    const char * from[GGML_CUDA_HOST_OP_KERNEL_COPIES];
+    char *       to[GGML_CUDA_HOST_OP_KERNEL_COPIES];
+    unsigned int bytes[GGML_CUDA_HOST_OP_KERNEL_COPIES];
+    int          count;
+};
+
+// By every thread of the block. Host memory is read with .cv loads: the same staging is read
+// every step, and a line the device cached from the last one would be stale.
+static __device__ void ggml_cuda_host_op_copy(char * to, const char * from, unsigned int bytes, bool from_host) {
+    if (((((uintptr_t) to) | ((uintptr_t) from) | bytes) & 15) == 0) {
+        int4 *       t = (int4 *) to;
+        const int4 * f = (const int4 *) from;
+        for (unsigned int i = threadIdx.x; i < bytes / 16; i += blockDim.x) {
+#if defined(GGML_USE_HIP)
+            const volatile int * v = (const volatile int *) (f + i);
+            t[i] = from_host ? make_int4(v[0], v[1], v[2], v[3]) : f[i];
+#else
+            t[i] = from_host ? __ldcv(f + i) : f[i];
+#endif
+        }
+    } else {
+        for (unsigned int i = threadIdx.x; i < bytes; i += blockDim.x) {
+            to[i] = from_host ? *(const volatile char *) (from + i) : from[i];
+        }
+    }
+}
+
+static __device__ void ggml_cuda_host_op_post_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
     const unsigned long long s = seq[0] + 1;
     seq[0] = s;
     if (s > GGML_CUDA_HOST_POSTS && seq[1] < s - GGML_CUDA_HOST_POSTS) {
@@ -131,11 +195,29 @@ static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, u
     __threadfence_system();
 }
 
-// Holds the stream until the host has run this stream's last post (and every one before it).
-static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq) {
-    ggml_cuda_host_op_until(&mb->done, seq[0]);
-    seq[1] = seq[0];
+// Copies the sources into their staging, posts the op and, unless `result_bytes` is 0, holds
+// the stream until the host has run it and copies its result out.
+static __global__ void ggml_cuda_host_op_post_copies(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st,
+                                                     ggml_cuda_host_op_copies in, bool wait, char * result, const char * result_stage,
+                                                     unsigned int result_bytes) {
+    for (int i = 0; i < in.count; ++i) {
+        ggml_cuda_host_op_copy(in.to[i], in.from[i], in.bytes[i], false);
+    }
     __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ggml_cuda_host_op_post_one(mb, seq, st);
+        if (wait) {
+            ggml_cuda_host_op_until(&mb->done, seq[0]);
+            seq[1] = seq[0];
+            __threadfence();
+        }
+    }
+    if (!wait) {
+        return;
+    }
+    __syncthreads();
+    ggml_cuda_host_op_copy(result, result_stage, result_bytes, true);
 }
 
 // Answers every stream's posts: runs the op, then raises `done`. Spins while posts come (a
@@ -235,6 +317,8 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
             char * stage = nullptr;
             CUDA_CHECK(cudaMallocHost((void **) &stage, size));
             st = new ggml_cuda_host_op_state{};
+            st->stage = stage;
+            CUDA_CHECK(cudaHostGetDevicePointer((void **) &st->stage_dev, stage, 0));
             st->fun      = p->fun;
             st->userdata = p->userdata;
             st->async    = ggml_cuda_host_op_is_async(p->fun);
@@ -248,7 +332,9 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
                     continue;
                 }
                 st->src[i]    = *dst->src[i];
-                st->staged[i] = !ggml_cuda_tensor_on_host(dst->src[i]);
+                // An asynchronous host op's output is never copied back: the op that takes it as
+                // a source only waits for it (its host copy is not read).
+                st->staged[i] = !ggml_cuda_tensor_on_host(dst->src[i]) && !ggml_cuda_is_async_output(dst->src[i]);
                 if (st->staged[i]) {
                     st->src[i].data   = stage + off;
                     st->src[i].buffer = nullptr;
@@ -265,6 +351,30 @@ static void ggml_cuda_op_host(ggml_backend_cuda_context & ctx, ggml_tensor * dst
     }
 
     cudaStream_t stream = ctx.stream();
+    if (ggml_cuda_host_ops_flag.load() && !ggml_cuda_host_op_copy_nodes()) {
+        ggml_cuda_host_op_copies in = {};
+        bool fits = ggml_nbytes(dst) < (1u << 31);
+        for (int i = 0; i < GGML_MAX_SRC && dst->src[i] && fits; ++i) {
+            if (!st->staged[i]) {
+                continue;
+            }
+            fits = in.count < GGML_CUDA_HOST_OP_KERNEL_COPIES && ggml_nbytes(dst->src[i]) < (1u << 31);
+            if (fits) {
+                in.from[in.count]  = (const char *) dst->src[i]->data;
+                in.to[in.count]    = st->stage_dev + ((char *) st->src[i].data - st->stage);
+                in.bytes[in.count] = (unsigned int) ggml_nbytes(dst->src[i]);
+                in.count++;
+            }
+        }
+        if (fits) {
+            ggml_cuda_host_mailbox * mb = ggml_cuda_host_mailbox_for(ctx.device, stream);
+            const char * result_stage = st->stage_dev + ((char *) st->dst.data - st->stage);
+            ggml_cuda_host_op_post_copies<<<1, 256, 0, stream>>>(mb->dev, mb->seq, st, in, !st->async, (char *) dst->data, result_stage,
+                                                                  st->async ? 0u : (unsigned int) ggml_nbytes(dst));
+            CUDA_CHECK(cudaGetLastError());
+            return;
+        }
+    }
     for (int i = 0; i < GGML_MAX_SRC && dst->src[i]; ++i) {
         if (st->staged[i]) {
             CUDA_CHECK(cudaMemcpyAsync(st->src[i].data, dst->src[i]->data, ggml_nbytes(dst->src[i]), cudaMemcpyDeviceToHost, stream));
