@@ -257,6 +257,7 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
         ("24", "mixed", "1000", "2"),
         ("24", "mixed", "", "2"),
         ("64", "workers", "", "2"),
+        ("3", "workers", "", "2"),
     ] {
         let args = [
             "-m",
@@ -282,8 +283,12 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
         let what = format!("{cache} hot, {mode} decode (at least {min_cold:?} cold a token), {workers} workers");
         assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
         assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
-        let by_tier = [metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")];
-        assert_eq!(by_tier, cpu_selections[usize::from(cache == "64")], "{what}: selections by tier (vram, ram) against CPU decode");
+        // (3 hot: the profile's top three leave layers without hot experts, whose cold ones point
+        // at the RAM copy's zero pad.)
+        if cache != "3" {
+            let by_tier = [metric(&s, "expert_selections_total", "vram"), metric(&s, "expert_selections_total", "ram")];
+            assert_eq!(by_tier, cpu_selections[usize::from(cache == "64")], "{what}: selections by tier (vram, ram) against CPU decode");
+        }
         let log = s.log.lock().unwrap().clone();
         let in_step = log.split("inside the device step in ").nth(1).map(|rest| rest.split(' ').next().unwrap().parse::<usize>().unwrap()).unwrap_or(0);
         match (cache, min_cold) {

@@ -397,8 +397,8 @@ impl LayerTiers {
         }
         if let Some(t) = z.by_table.as_ref() {
             // Lent slots count from the window's base, where the hot tier's slots begin too.
-            // The workers' layers point cold experts at the hot tier's first zero pad.
-            let hot_pad = (self.workers_in_step && self.hot.is_some()).then_some(self.n_hot);
+            // The workers' layers point cold experts at a zero pad: the hot tier's first.
+            let hot_pad = self.workers_in_step.then_some(self.n_hot);
             t.write(self.decode_window.as_ref().or(self.hot.as_ref().map(|h| &h.mats)), &z.mats, &hot, &cold, hot_pad);
         }
     }

@@ -207,8 +207,8 @@ impl ByTable {
 
     /// Points expert e at slot `hot[e]` of `hot_mats` when that is >= 0, else at row `cold[e]`
     /// of `copy`, else at the copy's zero pad row (as the two chains' skips would compute zero).
-    /// With `hot_pad`, a cold expert points at that zero slot of `hot_mats` instead: the CPU workers
-    /// compute it, and the GPU reads nothing over the bus.
+    /// With `hot_pad`, a cold expert points at that zero slot of `hot_mats` (at the copy's zero
+    /// pad row when the layer has no hot experts) instead: the CPU workers compute it.
     pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32], hot_pad: Option<usize>) {
         let hots: Vec<Option<T>> = match hot_mats {
             Some(h) => h.iter().map(Some).collect(),
@@ -221,7 +221,7 @@ impl ByTable {
                 .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e]), hot_pad) {
                     (Some(b), Ok(s), _, _) => b + s * nb2,
                     (Some(b), _, Ok(_), Some(p)) => b + p as u64 * nb2,
-                    (_, _, Ok(r), _) => cold_base + r * nb2,
+                    (_, _, Ok(r), None) => cold_base + r * nb2,
                     _ => cold_base + pad * nb2,
                 })
                 .collect();
