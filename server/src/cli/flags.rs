@@ -313,7 +313,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_COLD_DECODE",
-        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009), mixed = per layer, the workers where a token is expected to select STRATA_WORKERS_MIN_COLD cold experts or more, zero-copy reads elsewhere",
+        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009), mixed = per layer, the workers where a token is expected to select STRATA_WORKERS_MIN_COLD cold experts or more, zero-copy reads elsewhere (workers and mixed measured slower than mapped on an H100; for comparison)",
         effect: Effect::Experts,
     },
     EnvVar {
