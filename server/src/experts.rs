@@ -122,6 +122,11 @@ impl ExpertConfig {
                     Ok("mixed") => Some(moe::ColdDecode::Mixed),
                     Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu, mapped, workers or mixed")),
                 },
+                decode_stage: match std::env::var("STRATA_DECODE_STAGE").as_deref().map(str::trim) {
+                    Err(_) | Ok("") | Ok("0") => false,
+                    Ok("1") => true,
+                    Ok(v) => return Err(format!("STRATA_DECODE_STAGE: invalid value '{v}': expected 1 (the GPU copies a decode step's selected cold experts into its memory before computing them) or 0")),
+                },
                 workers_min_cold: match std::env::var("STRATA_WORKERS_MIN_COLD") {
                     Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
                         Ok(c) if c.is_finite() && c >= 0.0 => Some(c),
@@ -425,7 +430,11 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}; prompt batches and the rest on {cpu})",
             placement.hot_device,
             p.layout.layers.len(),
-            if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" }
+            match (placement.decode_table, placement.decode_stage) {
+                (true, true) => ", every expert through a table of pointers: one mul_mat_id per matrix; a step's selected cold experts staged into device memory first",
+                (true, false) => ", every expert through a table of pointers: one mul_mat_id per matrix",
+                _ => "",
+            }
         ),
         _ if placement.workers_in_step.is_some() && cfg.pcie_frac > 0.0 => {
             format!("on {cpu} (STRATA_COLD_DECODE=workers does not apply: --pcie-frac uploads need the graph split)")

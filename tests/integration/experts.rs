@@ -304,6 +304,18 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
         }
     }
 
+    // STRATA_DECODE_STAGE=1 names the RAM copy's range on the tables for the GPU to stage from
+    // (patches/0010); the CPU's mul_mat_id reads the tables as before.
+    let args = ["-m", m, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", "mapped"), ("STRATA_DECODE_TABLE", "1"), ("STRATA_DECODE_STAGE", "1")];
+    let s = Server::start(&args, &env);
+    assert_same(&ref_short, &generate(&s, SHORT), "tables with the staging range, short prompt");
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("a step's selected cold experts staged into device memory first"), "{log}");
+    drop(s);
+    let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_DECODE_STAGE", "yes")]);
+    assert!(out.stderr.contains("STRATA_DECODE_STAGE: invalid value 'yes'"), "{}", out.stderr);
+
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_COLD_DECODE", "gpu")]);
     assert!(out.stderr.contains("STRATA_COLD_DECODE: invalid value 'gpu'"), "{}", out.stderr);
     let out = run_server(&["-m", m, "--mmap-experts"], &[("STRATA_DECODE_TABLE", "yes")]);

@@ -152,6 +152,9 @@ pub struct Switches {
     /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped|workers|mixed); None: mapped
     /// where the cold experts are a page-locked copy that the GPU can read, else the CPU.
     pub cold_decode: Option<ColdDecode>,
+    /// Zero-copy decode through tables copies a step's selected cold experts into device memory
+    /// with one kernel before computing them (STRATA_DECODE_STAGE=1, patches/0010).
+    pub decode_stage: bool,
     /// With `ColdDecode::Mixed`, the cold selections a token must be expected to make in a layer
     /// for the workers to take it (STRATA_WORKERS_MIN_COLD; None: WORKERS_MIN_COLD).
     pub workers_min_cold: Option<f64>,
@@ -194,6 +197,8 @@ pub struct Placement {
     pub zero_copy_off: Option<String>,
     /// Whether zero-copy decode reads experts through tables of pointers.
     pub decode_table: bool,
+    /// Whether those tables name the RAM copy's range for staging (STRATA_DECODE_STAGE=1).
+    pub decode_stage: bool,
     /// Tiered layers whose decode hands its cold selections to the workers inside the step
     /// (STRATA_COLD_DECODE=workers or mixed); where they are zero-copy layers too, the GPU reads
     /// their hot experts through the tables and the other zero-copy layers read cold ones over the bus.
@@ -1312,6 +1317,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
         let tables = (zc_layer && decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
         placement.decode_table |= tables.is_some();
+        placement.decode_stage |= tables.is_some() && plan.switches.decode_stage;
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -1332,7 +1338,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let zero_copy = match (copy_mats.as_ref(), log, skip_map) {
             (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (map, hot_skip_map), *il, &mut owned) {
                 Ok(mut z) => {
-                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned));
+                    let stage = plan.switches.decode_stage.then_some(z.mapped);
+                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned, stage));
                     Some(z)
                 }
                 Err(e) => {

@@ -49,6 +49,8 @@ pub(super) struct ZeroCopy {
     pub by_table: Option<ByTable>,
     /// The largest batch that takes the zero-copy form on this device (at most MAX_TOKENS).
     pub max_tokens: i64,
+    /// The RAM copy's addresses as the device reads them: [low, high).
+    pub mapped: (u64, u64),
     /// The same log where the host reads it.
     log_host: *mut i32,
     log_len: usize,
@@ -68,10 +70,25 @@ impl ZeroCopy {
     ) -> Result<Self, String> {
         // SAFETY: log is a live i32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
-        let zc = |mats, log, max_tokens| ZeroCopy { mats, skip_map: maps.0, hot_skip_map: maps.1, log, log_host, log_len, by_table: None, max_tokens };
+        let zc = |mats, log, max_tokens, mapped| ZeroCopy {
+            mats,
+            skip_map: maps.0,
+            hot_skip_map: maps.1,
+            log,
+            log_host,
+            log_len,
+            by_table: None,
+            max_tokens,
+            mapped,
+        };
         if !gpu {
             reset(log_host, log_len);
-            return Ok(zc(*copy, log, MAX_TOKENS));
+            // SAFETY: the last of owned's buffers holds the copy.
+            let mapped = owned.bufs.last().map_or((0, 0), |&b| unsafe {
+                let base = sys::ggml_backend_buffer_get_base(b) as u64;
+                (base, base + sys::ggml_backend_buffer_get_size(b) as u64)
+            });
+            return Ok(zc(*copy, log, MAX_TOKENS, mapped));
         }
         // SAFETY: the proc address has the VecMaxBatch signature (patches/0008); copy's tensors are live.
         let max_tokens = unsafe {
@@ -91,7 +108,7 @@ impl ZeroCopy {
         // SAFETY: host_buf is the page-locked buffer of the device's host buffer type that holds
         // the copy; the mapped buffer borrows its memory (freeing it releases nothing) and both
         // are freed together with the layer.
-        let (mbuf, host_base, mbase) = unsafe {
+        let (mbuf, host_base, mbase, msize) = unsafe {
             let base = sys::ggml_backend_buffer_get_base(host_buf);
             let size = sys::ggml_backend_buffer_get_size(host_buf);
             let mbuf = mapped_new(super::ring::device_index(dev), base, size);
@@ -100,7 +117,7 @@ impl ZeroCopy {
                 return Err(format!("{name} cannot address the page-locked RAM copy"));
             }
             sys::ggml_backend_buffer_set_usage(mbuf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-            (mbuf, base as usize, sys::ggml_backend_buffer_get_base(mbuf) as usize)
+            (mbuf, base as usize, sys::ggml_backend_buffer_get_base(mbuf) as usize, size)
         };
         owned.bufs.push(mbuf);
         let a = Alloc::new(5);
@@ -125,7 +142,7 @@ impl ZeroCopy {
         match (mats, log_dev) {
             (Some(m), Some(l)) if !failed => {
                 reset(log_host, log_len);
-                Ok(zc(m, l, max_tokens))
+                Ok(zc(m, l, max_tokens, (mbase as u64, (mbase + msize) as u64)))
             }
             _ => Err("placing tensors in the mapped buffer failed".into()),
         }
@@ -181,7 +198,9 @@ pub(super) struct ByTable {
 
 impl ByTable {
     /// `tables`: one allocated [2, n_expert] i32 tensor per matrix of `src`, in the same order.
-    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned) -> Self {
+    /// With `stage`, the device range of the RAM copy: the GPU then copies a step's selected cold
+    /// experts into its own memory before computing them (patches/0010).
+    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned, stage: Option<(u64, u64)>) -> Self {
         let a = Alloc::new(4);
         owned.ctxs.push(a.ctx);
         let mut table = tables.iter();
@@ -198,6 +217,12 @@ impl ByTable {
                     let p = (*table).data as u64;
                     (*v).op_params[4] = p as u32 as i32;
                     (*v).op_params[5] = (p >> 32) as u32 as i32;
+                    if let Some((lo, hi)) = stage {
+                        (*v).op_params[6] = lo as u32 as i32;
+                        (*v).op_params[7] = (lo >> 32) as u32 as i32;
+                        (*v).op_params[8] = hi as u32 as i32;
+                        (*v).op_params[9] = (hi >> 32) as u32 as i32;
+                    }
                 }
                 Some(v)
             })

@@ -317,6 +317,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_DECODE_STAGE",
+        help: "1 = zero-copy decode through tables copies a step's selected cold experts into GPU memory with one kernel before computing them, instead of the vector kernels reading them over the bus (patches/0010; not measured on a GPU yet)",
+        effect: Effect::Experts,
+    },
+    EnvVar {
         name: "STRATA_WORKERS_MIN_COLD",
         help: "with STRATA_COLD_DECODE=mixed, the cold selections a token (by the profile's hit rate of the layer) from which a layer's decode hands them to the workers (default 0.5)",
         effect: Effect::Experts,
