@@ -221,9 +221,6 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             None => out,
         });
     }
-    // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
-    // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
-    // layer without cold experts runs the hot chain alone and logs its routing the same way.
     // A layer whose cold selections go to the workers inside the step reads its hot experts
     // through the tables, cold ones pointing at a zero pad in VRAM; the workers add the rest.
     let workers_table = lt.workers_in_step && lt.n_cold > 0 && !prompt;
@@ -244,6 +241,9 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let experts = unsafe { sys::ggml_add(g.ctx, hot, cold) };
         return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
     }
+    // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
+    // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
+    // layer without cold experts runs the hot chain alone and logs its routing the same way.
     if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && !workers_table) {
         // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
         let log = || unsafe {
