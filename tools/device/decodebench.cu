@@ -28,6 +28,10 @@
 //     (n_embd x n_used f32, 64 KiB) back and an add. A host thread answers the posts in order and,
 //     for each join, spins until W us after its launch (the workers' arithmetic); one CUDA graph of
 //     48 layers, against the hot reads alone, for W = 0, 15 and 40.
+// (g) staged (STRATA_DECODE_STAGE=1, kernels/cuda/expert-stage.cuh): per layer one wide-load
+//     kernel copies the k cold experts' gate and up from host memory into VRAM, (a)'s kernels
+//     read them there, then the same for down; per layer against (a)'s reads over the bus, and
+//     per token as (a)'s graph.
 // Prints one JSON object per measurement.
 #include "bench.cuh"
 
@@ -65,6 +69,30 @@ __global__ void read_rows(const unsigned char * base, size_t expert_stride, size
     if (threadIdx.x == 0) {
         out[blockIdx.y * rows + row] = float(acc);
     }
+}
+
+// Copies bytes at offset off of each of the k experts ids[0..k) from base into consecutive slots
+// of stage, 16 bytes a load, every block at once.
+__global__ void stage_copy(const unsigned char * base, const int * ids, int k, size_t off, size_t bytes, unsigned char * stage) {
+    const size_t units = bytes / 16;
+    for (size_t u = (size_t) blockIdx.x * blockDim.x + threadIdx.x; u < k * units; u += (size_t) gridDim.x * blockDim.x) {
+        const size_t q = u / units;
+        ((int4 *) (stage + q * bytes))[u % units] = ((const int4 *) (base + size_t(ids[q]) * EXPERT + off))[u % units];
+    }
+}
+
+// (g): the k experts' gate and up staged, read from VRAM, then their down the same way.
+static void staged_layer(const unsigned char * host, const int * ids, int k, const int * slots, unsigned char * stage, float * out,
+                         cudaStream_t s) {
+    const size_t gu = 2 * GATE_ROWS * GATE_ROW, down = DOWN_ROWS * DOWN_ROW;
+    const int blocks_gu = (int) std::min<size_t>((k * gu / 16 + 255) / 256, 4096);
+    const int blocks_d  = (int) std::min<size_t>((k * down / 16 + 255) / 256, 4096);
+    dim3 block(32, 2);
+    stage_copy<<<blocks_gu, 256, 0, s>>>(host, ids, k, 0, gu, stage);
+    read_rows<<<dim3(GATE_ROWS / 2, k), block, 0, s>>>(stage, gu, 0, GATE_ROW, GATE_ROWS, slots, out);
+    read_rows<<<dim3(GATE_ROWS / 2, k), block, 0, s>>>(stage, gu, GATE_ROWS * GATE_ROW, GATE_ROW, GATE_ROWS, slots, out);
+    stage_copy<<<blocks_d, 256, 0, s>>>(host, ids, k, gu, down, stage + 8 * gu);
+    read_rows<<<dim3(DOWN_ROWS / 2, k), block, 0, s>>>(stage + 8 * gu, down, 0, DOWN_ROW, DOWN_ROWS, slots, out);
 }
 
 // One layer's expert reads for the experts in ids (k of them): gate, up, down.
@@ -293,6 +321,36 @@ int main() {
             }
         });
         std::printf("{\"mechanism\":\"zero-copy\",\"graph_layers\":%d,\"cold_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, k, us);
+    }
+
+    // (g) staged: per layer k cold experts copied into VRAM by one kernel per projection, read there
+    {
+        unsigned char * stage;
+        CK(cudaMalloc(&stage, 8 * EXPERT));
+        int * slots;
+        const int h_slots[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+        CK(cudaMalloc(&slots, sizeof(h_slots)));
+        CK(cudaMemcpy(slots, h_slots, sizeof(h_slots), cudaMemcpyHostToDevice));
+        for (int k : {1, 2, 4, 8}) {
+            int rot = 0;
+            const double us = time_us(s, 50, [&] {
+                staged_layer(host_dev, ids + rot, k, slots, stage, out, s);
+                rot = (rot + k) % (64 - k);
+            });
+            std::printf("{\"mechanism\":\"staged\",\"from\":\"host\",\"experts\":%d,\"us_per_layer\":%.1f,\"GB_per_s\":%.1f}\n", k, us,
+                        k * EXPERT / us / 1e3);
+        }
+        for (int k : {1, 3}) {
+            const double us = graph_us(s, [&] {
+                for (int l = 0; l < LAYERS; ++l) {
+                    layer_reads(dev, ids + (l * 8) % 56, 8 - k, out, s);
+                    staged_layer(host_dev, ids + (l * k) % (64 - k), k, slots, stage, out, s);
+                }
+            });
+            std::printf("{\"mechanism\":\"staged\",\"graph_layers\":%d,\"cold_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, k, us);
+        }
+        CK(cudaFree(stage));
+        CK(cudaFree(slots));
     }
 
     // (d) the per-token graph with 1 cold expert a layer and E small kernels more per layer
