@@ -136,17 +136,33 @@ static __device__ void ggml_cuda_host_op_until(const volatile unsigned long long
 #endif
 }
 
-static __device__ void ggml_cuda_host_op_post_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st);
+static __device__ void ggml_cuda_host_op_post_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
+    const unsigned long long s = seq[0] + 1;
+    seq[0] = s;
+    if (s > GGML_CUDA_HOST_POSTS && seq[1] < s - GGML_CUDA_HOST_POSTS) {
+        ggml_cuda_host_op_until(&mb->done, s - GGML_CUDA_HOST_POSTS);
+        seq[1] = *(volatile unsigned long long *) &mb->done;
+    }
+    *(ggml_cuda_host_op_state * volatile *) &mb->st[s % GGML_CUDA_HOST_POSTS] = st;
+    __threadfence_system();
+    *(volatile unsigned long long *) &mb->req = s;
+    __threadfence_system();
+}
+
+// Until the host has run this stream's last post (and every one before it).
+static __device__ void ggml_cuda_host_op_wait_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq) {
+    ggml_cuda_host_op_until(&mb->done, seq[0]);
+    seq[1] = seq[0];
+    __threadfence_system();
+}
 
 static __global__ void ggml_cuda_host_op_post(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
     ggml_cuda_host_op_post_one(mb, seq, st);
 }
 
-// Holds the stream until the host has run this stream's last post (and every one before it).
+// Holds the stream until the host has run this stream's last post.
 static __global__ void ggml_cuda_host_op_wait(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq) {
-    ggml_cuda_host_op_until(&mb->done, seq[0]);
-    seq[1] = seq[0];
-    __threadfence_system();
+    ggml_cuda_host_op_wait_one(mb, seq);
 }
 
 // A host op's copies done by its own kernels: the sources into their staging before the post,
@@ -182,18 +198,6 @@ static __device__ void ggml_cuda_host_op_copy(char * to, const char * from, unsi
     }
 }
 
-static __device__ void ggml_cuda_host_op_post_one(ggml_cuda_host_mailbox_mem * mb, unsigned long long * seq, ggml_cuda_host_op_state * st) {
-    const unsigned long long s = seq[0] + 1;
-    seq[0] = s;
-    if (s > GGML_CUDA_HOST_POSTS && seq[1] < s - GGML_CUDA_HOST_POSTS) {
-        ggml_cuda_host_op_until(&mb->done, s - GGML_CUDA_HOST_POSTS);
-        seq[1] = *(volatile unsigned long long *) &mb->done;
-    }
-    *(ggml_cuda_host_op_state * volatile *) &mb->st[s % GGML_CUDA_HOST_POSTS] = st;
-    __threadfence_system();
-    *(volatile unsigned long long *) &mb->req = s;
-    __threadfence_system();
-}
 
 // Copies the sources into their staging, posts the op and, unless `result_bytes` is 0, holds
 // the stream until the host has run it and copies its result out.
@@ -208,9 +212,7 @@ static __global__ void ggml_cuda_host_op_post_copies(ggml_cuda_host_mailbox_mem 
     if (threadIdx.x == 0) {
         ggml_cuda_host_op_post_one(mb, seq, st);
         if (wait) {
-            ggml_cuda_host_op_until(&mb->done, seq[0]);
-            seq[1] = seq[0];
-            __threadfence();
+            ggml_cuda_host_op_wait_one(mb, seq);
         }
     }
     if (!wait) {
