@@ -32,6 +32,10 @@
 //     kernel copies the k cold experts' gate and up from host memory into VRAM, (a)'s kernels
 //     read them there, then the same for down; per layer against (a)'s reads over the bus, and
 //     per token as (a)'s graph.
+// (h) the routing log: per layer the step's 8 expert ids copied into page-locked host memory that
+//     the device maps, as a 32-byte memcpy node (ggml-cuda's i32 to i32 copy) against a kernel
+//     converting them to f32 there; the per-token graph of 48 layers of 8 reads from VRAM with
+//     each, against none.
 // Prints one JSON object per measurement.
 #include "bench.cuh"
 
@@ -104,6 +108,12 @@ static void layer_reads(const unsigned char * base, const int * ids, int k, floa
 }
 
 // Stands in for a small elementwise op of a decode step (2,048 floats, one block).
+__global__ void log_ids(const int * ids, float * log) {
+    if (threadIdx.x < 8) {
+        log[threadIdx.x] = float(ids[threadIdx.x]);
+    }
+}
+
 __global__ void small_op(float * x) {
     for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
         x[i] = x[i] * 0.5f + 1.0f;
@@ -368,6 +378,29 @@ int main() {
             }
         });
         std::printf("{\"mechanism\":\"small-kernels\",\"graph_layers\":%d,\"extra_per_layer\":%d,\"us_per_token\":%.1f}\n", LAYERS, extra, us);
+    }
+
+    // (h) the routing log per layer: none, a memcpy node, a conversion kernel
+    {
+        float * log_host;
+        CK(cudaMallocHost(&log_host, LAYERS * 8 * sizeof(float)));
+        float * log_dev;
+        CK(cudaHostGetDevicePointer((void **) &log_dev, log_host, 0));
+        const char * forms[] = {"none", "memcpy", "kernel"};
+        for (int form = 0; form < 3; ++form) {
+            double us = graph_us(s, [&] {
+                for (int l = 0; l < LAYERS; ++l) {
+                    layer_reads(dev, ids + (l * 8) % 56, 8, out, s);
+                    if (form == 1) {
+                        CK(cudaMemcpyAsync(log_dev + l * 8, ids + (l * 8) % 56, 8 * sizeof(int), cudaMemcpyDeviceToDevice, s));
+                    } else if (form == 2) {
+                        log_ids<<<1, 32, 0, s>>>(ids + (l * 8) % 56, log_dev + l * 8);
+                    }
+                }
+            });
+            std::printf("{\"mechanism\":\"routing-log\",\"graph_layers\":%d,\"form\":\"%s\",\"us_per_token\":%.1f}\n", LAYERS, forms[form], us);
+        }
+        CK(cudaFreeHost(log_host));
     }
 
     // (e) both tiers in one virtual range

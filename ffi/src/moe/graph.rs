@@ -245,7 +245,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
     // layer without cold experts runs the hot chain alone and logs its routing the same way.
     if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && !workers_table) {
-        // SAFETY: the log is [n_used, MAX_TOKENS] i32 and sel a contiguous [n_used, n_tok] i32.
+        // SAFETY: the log is [n_used, MAX_TOKENS] f32 and sel a contiguous [n_used, n_tok] i32.
         let log = || unsafe {
             let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
             g.expand(sys::ggml_cpy(g.ctx, sel, log));

@@ -5,7 +5,8 @@
 //! buffer (patches/0006). The copy's id map sends hot experts to -1, which the kernels skip
 //! (zero output, weights unread), so the bus carries only the cold experts the step selected and
 //! no CPU hand-off splits the graph. The routing of each step is copied into a small mapped log
-//! that the host reads after the step to count selections.
+//! that the host reads after the step to count selections. The log holds f32 so that the copy is
+//! a conversion kernel in the device graph; ggml-cuda copies i32 to i32 as a memcpy node.
 
 use std::ffi::c_void;
 
@@ -43,7 +44,7 @@ pub(super) struct ZeroCopy {
     pub skip_map: T,
     /// expert -> hot slot, or -1 for a cold expert (so decode reads no pad expert either).
     pub hot_skip_map: Option<T>,
-    /// [n_used, MAX_TOKENS] i32 as the graph writes it.
+    /// [n_used, MAX_TOKENS] f32 (expert ids, -1 where none) as the graph writes it.
     pub log: T,
     /// Every expert read through tables of pointers, when on (STRATA_DECODE_TABLE=1).
     pub by_table: Option<ByTable>,
@@ -52,7 +53,7 @@ pub(super) struct ZeroCopy {
     /// The RAM copy's addresses as the device reads them: [low, high).
     pub mapped: (u64, u64),
     /// The same log where the host reads it.
-    log_host: *mut i32,
+    log_host: *mut f32,
     log_len: usize,
 }
 
@@ -68,8 +69,8 @@ impl ZeroCopy {
         il: i32,
         owned: &mut Owned,
     ) -> Result<Self, String> {
-        // SAFETY: log is a live i32 tensor in a host buffer.
-        let (log_host, log_len) = unsafe { ((*log).data.cast::<i32>(), sys::ggml_nelements(log) as usize) };
+        // SAFETY: log is a live f32 tensor in a host buffer.
+        let (log_host, log_len) = unsafe { ((*log).data.cast::<f32>(), sys::ggml_nelements(log) as usize) };
         let zc = |mats, log, max_tokens, mapped| ZeroCopy {
             mats,
             skip_map: maps.0,
@@ -152,21 +153,21 @@ impl ZeroCopy {
     /// after the step's graph has finished.
     pub(super) fn take_log(&self, out: &mut Vec<i32>) {
         for i in 0..self.log_len {
-            // SAFETY: log_host addresses log_len i32 of page-locked host memory that no graph is
+            // SAFETY: log_host addresses log_len f32 of page-locked host memory that no graph is
             // writing now (the caller synchronised).
             let v = unsafe { self.log_host.add(i).read_volatile() };
-            if v >= 0 {
-                out.push(v);
+            if v >= 0.0 {
+                out.push(v as i32);
             }
         }
         reset(self.log_host, self.log_len);
     }
 }
 
-fn reset(log: *mut i32, len: usize) {
+fn reset(log: *mut f32, len: usize) {
     for i in 0..len {
-        // SAFETY: log addresses len i32 of host memory owned by the placement.
-        unsafe { log.add(i).write_volatile(-1) };
+        // SAFETY: log addresses len f32 of host memory owned by the placement.
+        unsafe { log.add(i).write_volatile(-1.0) };
     }
 }
 
@@ -176,7 +177,7 @@ fn reset(log: *mut i32, len: usize) {
 pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
     // SAFETY: a's context has room for the metadata (two tensors beyond the matrices).
     unsafe {
-        let t = sys::ggml_new_tensor_2d(a.ctx, sys::GGML_TYPE_I32, n_used as i64, MAX_TOKENS);
+        let t = sys::ggml_new_tensor_2d(a.ctx, sys::GGML_TYPE_F32, n_used as i64, MAX_TOKENS);
         super::set_name(t, &format!("blk.{il}.exps.decode_log"));
         let spare = sys::ggml_new_tensor_1d(a.ctx, sys::GGML_TYPE_I8, SPARE_BYTES);
         super::set_name(spare, &format!("blk.{il}.exps.spare"));
