@@ -490,6 +490,7 @@ impl Residency {
                     ("expert_swaps_pending", "gauge", "Planned swaps not yet made", a.pending),
                     ("expert_swaps_total", "counter", "Experts exchanged between the hot tier and the RAM copy", a.swaps),
                     ("expert_swap_bytes_total", "counter", "Bytes moved by expert swaps, both directions", a.bytes),
+                    ("expert_swap_microseconds_total", "counter", "Time the host spent making expert swaps between batches", a.micros),
                 ],
             );
         }

@@ -682,8 +682,8 @@ fn adaptation_follows_the_routing_and_keeps_the_output() {
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("experts: adapting 4 of 4 tiered layers every 4 batches from an even placement"), "{log}");
     let share = hot_share_of_repeats(&s, &refs, "adapting, CPU decode");
-    let (swaps, bytes) = (counter(&s, "expert_swaps_total"), counter(&s, "expert_swap_bytes_total"));
-    assert!(swaps > 0 && bytes > 0 && counter(&s, "expert_adapt_intervals_total") > 0, "swaps {swaps}, bytes {bytes}");
+    let (swaps, bytes, us) = (counter(&s, "expert_swaps_total"), counter(&s, "expert_swap_bytes_total"), counter(&s, "expert_swap_microseconds_total"));
+    assert!(swaps > 0 && bytes > 0 && us > 0 && counter(&s, "expert_adapt_intervals_total") > 0, "swaps {swaps}, bytes {bytes}, {us} us");
     assert!(share > fixed_share + 0.05, "hot-tier share {share:.3} adapting vs {fixed_share:.3} fixed");
     drop(s);
 

@@ -41,6 +41,9 @@ pub struct AdaptCounters {
     pub swaps: u64,
     /// Bytes moved by swaps, both directions.
     pub bytes: u64,
+    /// Time the host spent making swaps (copies, the ring's settling, map rewrites), not counting
+    /// the wait for the batch before them.
+    pub micros: u64,
     /// Swaps the last interval planned.
     pub last_interval: u64,
     /// Planned swaps waiting for the next batches.
@@ -211,6 +214,7 @@ pub fn counters() -> Option<AdaptCounters> {
         o.intervals += c.intervals;
         o.swaps += c.swaps;
         o.bytes += c.bytes;
+        o.micros += c.micros;
         o.last_interval += c.last_interval;
         o.pending += st.pending.len() as u64;
     }
@@ -234,6 +238,7 @@ impl State {
     }
 
     fn run(&mut self, max: usize) {
+        let t0 = std::time::Instant::now();
         let mut settled = Vec::new();
         let mut touched: Vec<&Arc<LayerTiers>> = Vec::new();
         for sw in next_swaps(&mut self.pending, max) {
@@ -256,6 +261,7 @@ impl State {
         for lt in touched {
             publish(lt);
         }
+        self.counters.micros += t0.elapsed().as_micros() as u64;
     }
 }
 

@@ -9,8 +9,8 @@ alone. For window i the prompt is a slice of F (each window its own, cycling thr
 one request evaluates it (n_predict 0), a second decodes STEPS tokens after it from the cached
 prompt, and the `strata:expert_selections_total` counters read around that second request give
 the hot tier's share of the window's decode selections. DIR/trace.json holds every window
-(step, hit rate, decode t/s, swaps so far), DIR/hit-rate.png plots hit rate and decode t/s
-against decode steps for all arms.
+(step, hit rate, decode t/s, swaps and the host's microseconds making them so far),
+DIR/hit-rate.png plots hit rate and decode t/s against decode steps for all arms.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def run_arm(name: str, cmd: list[str], prompts: list[str], steps: int, out: Path
                 done += r["timings"]["predicted_n"]
                 rows.append({"window": i, "steps": done, "hit_rate": d["vram"] / total if total else None,
                              "decode_tps": r["timings"]["predicted_per_second"], "prompt_cached": r["timings"].get("cache_n"),
-                             "swaps_total": m.get("strata:expert_swaps_total"), "selections": d})
+                             "swaps_total": m.get("strata:expert_swaps_total"),
+                             "swap_us_total": m.get("strata:expert_swap_microseconds_total"), "selections": d})
                 hr = rows[-1]["hit_rate"]
                 print(f"   {name} window {i}: {done} steps, hit rate {hr if hr is None else round(hr, 4)}, "
                       f"{rows[-1]['decode_tps']:.1f} t/s, swaps {rows[-1]['swaps_total']}", flush=True)
