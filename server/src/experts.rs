@@ -490,9 +490,12 @@ impl Residency {
                     ("expert_swaps_pending", "gauge", "Planned swaps not yet made", a.pending),
                     ("expert_swaps_total", "counter", "Experts exchanged between the hot tier and the RAM copy", a.swaps),
                     ("expert_swap_bytes_total", "counter", "Bytes moved by expert swaps, both directions", a.bytes),
-                    ("expert_swap_microseconds_total", "counter", "Time the host spent making expert swaps between batches", a.micros),
                 ],
             );
+        }
+        if let Some(a) = moe::adapt::counters() {
+            let help = "Time the host spent on expert swaps between batches: the copies (with the prefill ring's settling) and the map rewrites";
+            strata_family(&mut out, "expert_swap_microseconds_total", "counter", help, "part", [("copies", a.copy_micros), ("maps", a.map_micros)]);
         }
         if let Some(r) = moe::ring_stats() {
             strata_lines(

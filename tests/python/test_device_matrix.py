@@ -42,7 +42,8 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
         "llamacpp:prompt_tokens_total 2000",
         f"strata:prefill_ring_h2d_bytes_total {2 * 1024 ** 3}",
         "strata:expert_swaps_total 30",
-        "strata:expert_swap_microseconds_total 1250000",
+        'strata:expert_swap_microseconds_total{part="copies"} 1250000',
+        'strata:expert_swap_microseconds_total{part="maps"} 250000',
     ])
     row_dir(call, "row-24-0.7-4096", ([100, 200, 100, 200], [10, 10, 20, 20]), ([150, 300, 130, 280], [15, 12, 30, 25]),
             ceiling=([200, 400, 200, 400], [20, 20, 40, 40]), metrics=metrics)
@@ -62,7 +63,7 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     assert (full["prefill_vs_allgpu"], full["decode_vs_allgpu"]) == (0.725, 0.688)
     assert full["hit_rate"] == 0.9
     assert full["h2d_gib_per_1k_tokens"] == 1.0
-    assert (full["swaps"], full["swap_seconds"]) == (30, 1.25)
+    assert (full["swaps"], full["swap_copies_seconds"], full["swap_maps_seconds"]) == (30, 1.25, 0.25)
 
     minp = rows["row-12-0.7-4096+minp"]
     assert minp["arm"] == "minp"
@@ -70,7 +71,7 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     assert minp["ceiling_from"] == "row-24-0.7-4096"
     assert minp["prefill_vs_allgpu"] == 0.525
     assert (minp["prefill_ratio_min"], minp["prefill_ratio_max"]) == (1.2, 1.8)
-    assert not {"hit_rate", "h2d_gib_per_1k_tokens", "swaps", "swap_seconds"} & set(minp), "no /metrics, no figures from them"
+    assert not {"hit_rate", "h2d_gib_per_1k_tokens", "swaps", "swap_copies_seconds", "swap_maps_seconds"} & set(minp), "no /metrics, no figures from them"
 
     broken = rows["row-12-0.7-512-cpu+waves"]
     assert (broken["cold_decode"], broken["arm"]) == ("cpu", "waves")

@@ -41,9 +41,11 @@ pub struct AdaptCounters {
     pub swaps: u64,
     /// Bytes moved by swaps, both directions.
     pub bytes: u64,
-    /// Time the host spent making swaps (copies, the ring's settling, map rewrites), not counting
-    /// the wait for the batch before them.
-    pub micros: u64,
+    /// Time the host spent on swaps' copies (and the prefill ring's settling before them), not
+    /// counting the wait for the batch before them.
+    pub copy_micros: u64,
+    /// Time the host spent rewriting the swapped layers' maps.
+    pub map_micros: u64,
     /// Swaps the last interval planned.
     pub last_interval: u64,
     /// Planned swaps waiting for the next batches.
@@ -214,7 +216,8 @@ pub fn counters() -> Option<AdaptCounters> {
         o.intervals += c.intervals;
         o.swaps += c.swaps;
         o.bytes += c.bytes;
-        o.micros += c.micros;
+        o.copy_micros += c.copy_micros;
+        o.map_micros += c.map_micros;
         o.last_interval += c.last_interval;
         o.pending += st.pending.len() as u64;
     }
@@ -257,11 +260,13 @@ impl State {
                 }
             }
         }
+        let t1 = std::time::Instant::now();
         // Each changed layer's maps once, after all of its swaps: no graph runs in between.
         for lt in touched {
             publish(lt);
         }
-        self.counters.micros += t0.elapsed().as_micros() as u64;
+        self.counters.copy_micros += (t1 - t0).as_micros() as u64;
+        self.counters.map_micros += t1.elapsed().as_micros() as u64;
     }
 }
 

@@ -79,7 +79,8 @@ def run_arm(name: str, cmd: list[str], prompts: list[str], steps: int, out: Path
                 rows.append({"window": i, "steps": done, "hit_rate": d["vram"] / total if total else None,
                              "decode_tps": r["timings"]["predicted_per_second"], "prompt_cached": r["timings"].get("cache_n"),
                              "swaps_total": m.get("strata:expert_swaps_total"),
-                             "swap_us_total": m.get("strata:expert_swap_microseconds_total"), "selections": d})
+                             "swap_us_total": {p: m.get(f'strata:expert_swap_microseconds_total{{part="{p}"}}') for p in ("copies", "maps")},
+                             "selections": d})
                 hr = rows[-1]["hit_rate"]
                 print(f"   {name} window {i}: {done} steps, hit rate {hr if hr is None else round(hr, 4)}, "
                       f"{rows[-1]['decode_tps']:.1f} t/s, swaps {rows[-1]['swaps_total']}", flush=True)
