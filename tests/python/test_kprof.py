@@ -88,7 +88,8 @@ def test_a_run_stops_the_server_under_ncu_and_reads_its_log(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The quick brown fox jumps over the lazy dog. " * 10)
     res = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "out"), "--prompt-file", str(prompt), "--ncu", str(ncu),
-                          "--prompt-tokens", "16", "--predict", "4", "--", f"tiny={SERVER}", "-m", str(MODEL), "-c", "512", "-t", "2"],
+                          "--prompt-tokens", "16", "--predict", "4", "--", f"tiny={SERVER}", "-m", str(MODEL), "-c", "512", "-t", "2",
+                          "--mmap-experts", "--expert-cache", "16"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr + res.stdout
     r = json.loads((tmp_path / "out" / "tiny.json").read_text())
@@ -98,4 +99,7 @@ def test_a_run_stops_the_server_under_ncu_and_reads_its_log(tmp_path):
     assert r["gpu_us_per_step"] == 6.0
     step = (tmp_path / "out" / "tiny.step.tsv").read_text().splitlines()
     assert [l.split("\t")[0] for l in step[1:]] == [n for n in names[-3:]], step
+    # the last decode step's selections by tier, from /metrics: one token's, hot and cold
+    sel = r["last_step_selections"]
+    assert set(sel) == {"vram", "ram", "mmap"} and sel["vram"] > 0 and sel["mmap"] > 0, sel
     assert "tiny" in (tmp_path / "out" / "summary.txt").read_text()
