@@ -492,8 +492,6 @@ impl Residency {
                     ("expert_swap_bytes_total", "counter", "Bytes moved by expert swaps, both directions", a.bytes),
                 ],
             );
-        }
-        if let Some(a) = moe::adapt::counters() {
             let help = "Time the host spent on expert swaps between batches: the copies (with the prefill ring's settling) and the map rewrites";
             strata_family(&mut out, "expert_swap_microseconds_total", "counter", help, "part", [("copies", a.copy_micros), ("maps", a.map_micros)]);
         }
