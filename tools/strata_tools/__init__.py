@@ -1,5 +1,5 @@
 """What the Python tools and tests share: a free loopback port, waiting for a server's /health,
-stopping it, and JSON requests.
+stopping it, JSON requests, and strata-server's /metrics samples.
 
 Scripts under tools/ put tools/ on sys.path (`sys.path.insert(0, str(TOOLS))`) and import this.
 """
@@ -55,3 +55,15 @@ def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
+
+
+def strata_metrics(url: str) -> dict[str, float]:
+    """The strata:* samples of /metrics, keyed by name with labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("strata:"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

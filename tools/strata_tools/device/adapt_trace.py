@@ -19,25 +19,12 @@ import argparse
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, stop, wait_healthy
+from strata_tools import NotReady, free_port, post_json, stop, strata_metrics, wait_healthy
 from strata_tools.device import split_arms
 
 TIERS = ("vram", "ram", "mmap")
-
-
-def metrics(url: str) -> dict[str, float]:
-    """The strata:* samples of /metrics, keyed by name with labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("strata:"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
 
 
 def selections(m: dict[str, float]) -> dict[str, float]:
@@ -68,10 +55,10 @@ def run_arm(name: str, cmd: list[str], prompts: list[str], steps: int, out: Path
             done = 0
             for i, prompt in enumerate(prompts):
                 post_json(url + "/completion", {"prompt": prompt, "n_predict": 0, "cache_prompt": True})
-                before = selections(metrics(url))
+                before = selections(strata_metrics(url))
                 r = post_json(url + "/completion", {"prompt": prompt, "n_predict": steps, "cache_prompt": True, "temperature": 0,
                                                     "ignore_eos": True})
-                m = metrics(url)
+                m = strata_metrics(url)
                 after = selections(m)
                 d = {t: after[t] - before[t] for t in TIERS}
                 total = sum(d.values())
