@@ -427,14 +427,11 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             n - placement.workers_layers,
         ),
         (n, _) if n > 0 => format!(
-            "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}; prompt batches and the rest on {cpu})",
+            "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}{}; prompt batches and the rest on {cpu})",
             placement.hot_device,
             p.layout.layers.len(),
-            match (placement.decode_table, placement.decode_stage) {
-                (true, true) => ", every expert through a table of pointers: one mul_mat_id per matrix; a step's selected cold experts staged into device memory first",
-                (true, false) => ", every expert through a table of pointers: one mul_mat_id per matrix",
-                _ => "",
-            }
+            if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" },
+            if placement.decode_stage { "; a step's selected cold experts staged into device memory first" } else { "" },
         ),
         _ if placement.workers_in_step.is_some() && cfg.pcie_frac > 0.0 => {
             format!("on {cpu} (STRATA_COLD_DECODE=workers does not apply: --pcie-frac uploads need the graph split)")
