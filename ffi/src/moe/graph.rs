@@ -250,10 +250,10 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
             g.expand(sys::ggml_cpy(g.ctx, sel, log));
         };
-        // Through the tables every expert id addresses its own weights: one chain, the routing as is.
+        // Through the tables every expert id addresses its own weights: one chain, the routing as
+        // is; the down projection's kernels write the log.
         if let Some(t) = zc.by_table.as_ref() {
-            let experts = g.ffn("strata_table_mm", &t.mats, sel, act, false)?;
-            log();
+            let experts = g.ffn("strata_table_mm", &t.logged, sel, act, false)?;
             return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
         }
         let hot_ids = |hot: &super::Hot| zc.hot_skip_map.map_or_else(|| g.remap_positions(hot.map, sel), |m| g.remap(m, sel));

@@ -1339,7 +1339,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (map, hot_skip_map), *il, &mut owned) {
                 Ok(mut z) => {
                     let stage = plan.switches.decode_stage.then_some(z.mapped);
-                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned, stage));
+                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned, stage, Some(z.log)));
                     Some(z)
                 }
                 Err(e) => {

@@ -4,9 +4,10 @@
 //! device graph: the hot tier's (VRAM) and the RAM copy's, seen by the device through a mapped
 //! buffer (patches/0006). The copy's id map sends hot experts to -1, which the kernels skip
 //! (zero output, weights unread), so the bus carries only the cold experts the step selected and
-//! no CPU hand-off splits the graph. The routing of each step is copied into a small mapped log
-//! that the host reads after the step to count selections. The log holds f32 so that the copy is
-//! a conversion kernel in the device graph; ggml-cuda copies i32 to i32 as a memcpy node.
+//! no CPU hand-off splits the graph. The routing of each step lands in a small mapped log that the
+//! host reads after the step to count selections: through tables the down projection's vector
+//! kernels write it (patches/0011); the two chains copy it, as f32 so that the copy is a
+//! conversion kernel in the device graph (ggml-cuda copies i32 to i32 as a memcpy node).
 
 use std::ffi::c_void;
 
@@ -164,6 +165,18 @@ impl ZeroCopy {
     }
 }
 
+/// Writes `p` into op_params[at..at + 2] of `t` (low half first), as ggml's readers expect.
+///
+/// # Safety
+/// `t` is a live tensor that no graph is computing.
+unsafe fn set_address(t: T, at: usize, p: u64) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        (*t).op_params[at] = p as u32 as i32;
+        (*t).op_params[at + 1] = (p >> 32) as u32 as i32;
+    }
+}
+
 fn reset(log: *mut f32, len: usize) {
     for i in 0..len {
         // SAFETY: log addresses len f32 of host memory owned by the placement.
@@ -194,6 +207,9 @@ const SPARE_BYTES: i64 = 64 << 10;
 /// reads hot experts from VRAM and cold ones from the page-locked copy.
 pub(super) struct ByTable {
     pub mats: Mats<T>,
+    /// `mats` whose down projection also names the routing log (patches/0011): its vector
+    /// kernels write the step's ids there, so zero-copy decode adds no node of its own for them.
+    pub logged: Mats<T>,
     tables: Mats<T>,
 }
 
@@ -201,34 +217,36 @@ impl ByTable {
     /// `tables`: one allocated [2, n_expert] i32 tensor per matrix of `src`, in the same order.
     /// With `stage`, the device range of the RAM copy: the GPU then copies a step's selected cold
     /// experts into its own memory before computing them (patches/0010).
-    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned, stage: Option<(u64, u64)>) -> Self {
-        let a = Alloc::new(4);
+    /// With `log` (the layer's routing log as the device writes it), `logged` names it.
+    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned, stage: Option<(u64, u64)>, log: Option<T>) -> Self {
+        let a = Alloc::new(5);
         owned.ctxs.push(a.ctx);
-        let mut table = tables.iter();
-        let mats = src
-            .map(|t| {
-                let table = table.next()?;
-                let v = a.like(t, n_expert, &format!("blk.{il}.exps.by_table"));
-                // SAFETY: v is fresh metadata, table a live allocated tensor. Not
-                // ggml_backend_tensor_alloc: v spans n_expert experts by its shape, but no kernel
-                // addresses one by offset; the table's buffer only places the op on its device.
-                unsafe {
-                    (*v).buffer = (*table).buffer;
-                    (*v).data = (*table).data;
-                    let p = (*table).data as u64;
-                    (*v).op_params[4] = p as u32 as i32;
-                    (*v).op_params[5] = (p >> 32) as u32 as i32;
-                    if let Some((lo, hi)) = stage {
-                        (*v).op_params[6] = lo as u32 as i32;
-                        (*v).op_params[7] = (lo >> 32) as u32 as i32;
-                        (*v).op_params[8] = hi as u32 as i32;
-                        (*v).op_params[9] = (hi >> 32) as u32 as i32;
-                    }
+        let by_table = |t: T, table: T| {
+            let v = a.like(t, n_expert, &format!("blk.{il}.exps.by_table"));
+            // SAFETY: v is fresh metadata, table a live allocated tensor. Not
+            // ggml_backend_tensor_alloc: v spans n_expert experts by its shape, but no kernel
+            // addresses one by offset; the table's buffer only places the op on its device.
+            unsafe {
+                (*v).buffer = (*table).buffer;
+                (*v).data = (*table).data;
+                set_address(v, 4, (*table).data as u64);
+                if let Some((lo, hi)) = stage {
+                    set_address(v, 6, lo);
+                    set_address(v, 8, hi);
                 }
-                Some(v)
-            })
-            .expect("a table per matrix");
-        Self { mats, tables }
+            }
+            v
+        };
+        let mut table = tables.iter();
+        let mats = src.map(|t| Some(by_table(t, table.next()?))).expect("a table per matrix");
+        let mut logged = mats;
+        if let (Some(log), Some(down), Some(table)) = (log, src.down, tables.down) {
+            let v = by_table(down, table);
+            // SAFETY: v is fresh metadata; log a live tensor in the mapped buffer.
+            unsafe { set_address(v, 10, (*log).data as u64) };
+            logged.down = Some(v);
+        }
+        Self { mats, logged, tables }
     }
 
     /// Points expert e at slot `hot[e]` of `hot_mats` when that is >= 0, else at row `cold[e]`
