@@ -97,6 +97,12 @@ impl<'m> Context<'m> {
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
         let rc = unsafe { sys::llama_decode(self.ptr.as_ptr(), batch.raw()) };
         crate::op_profile::batch_end(batch.raw().n_tokens, t0.elapsed());
+        if crate::step_trace::active() {
+            let launched = std::time::Instant::now();
+            // SAFETY: valid context.
+            unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
+            crate::step_trace::step(batch.raw().n_tokens, t0, launched, std::time::Instant::now());
+        }
         self.count_logged_routing();
         let ctx = self.ptr.as_ptr();
         // SAFETY: valid context.

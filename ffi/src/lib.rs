@@ -25,6 +25,7 @@ mod router;
 mod sampler;
 mod shim_string;
 mod speculative;
+pub mod step_trace;
 mod strata_hooks;
 
 pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, LogLevel, Verbosity};

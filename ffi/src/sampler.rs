@@ -31,11 +31,16 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Result<Token> {
-        call(|err| {
+        let t0 = std::time::Instant::now();
+        let out = call(|err| {
             // SAFETY: valid sampler and context; idx refers to an output of the last decode.
             let t = unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx, err) };
             (t != sys::LLAMA_TOKEN_NULL).then_some(t)
-        })
+        });
+        if crate::step_trace::active() {
+            crate::step_trace::sampled(t0.elapsed());
+        }
+        out
     }
 
     /// Verifies a draft decoded at batch indices `idxs` (the last sampled token's, then one

@@ -297,6 +297,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_STEP_TRACE",
+        help: "write the host's time around decode steps to FILE: the llama_decode call, the wait for the device, the host's own time between steps and the sampler's share (diagnostics: one JSON line of medians and means per 256 steps)",
+        effect: Effect::Active,
+    },
+    EnvVar {
         name: "STRATA_OP_PROFILE",
         help: "write per-op times of each prompt batch to FILE (diagnostics: runs the graph node by node, without kernel fusion)",
         effect: Effect::Active,

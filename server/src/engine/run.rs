@@ -103,6 +103,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     }
     let mut woken_by: Option<Job> = None;
     let mut placed = false;
+    open_step_trace();
     loop {
         let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, with_op_profile(p))) {
             Ok(c) => c,
@@ -195,6 +196,14 @@ pub(super) fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, 
         if !worked && !engine.pending.is_empty() {
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+}
+
+/// STRATA_STEP_TRACE=FILE: the host's time around each decode step (diagnostics).
+pub(super) fn open_step_trace() {
+    let Some(path) = std::env::var_os("STRATA_STEP_TRACE") else { return };
+    if let Err(e) = strata_ffi::step_trace::open(std::path::Path::new(&path)) {
+        crate::log::warn(&format!("STRATA_STEP_TRACE: cannot write {}: {e}", path.to_string_lossy()));
     }
 }
 
