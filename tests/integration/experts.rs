@@ -723,6 +723,25 @@ fn adaptation_follows_the_routing_and_keeps_the_output() {
     }
 }
 
+/// Cold-expert workers with nothing to do sleep: between requests (and through zero-copy decode,
+/// which gives them no jobs) they do not spin on the host's cores.
+#[test]
+fn idle_cold_expert_workers_use_no_cpu() {
+    let m = model(MODEL);
+    let dir = tmp("idle-workers");
+    let root = guard_root(&dir, 64 << 20);
+    let args = ["-m", m.to_str().unwrap(), "-c", "2048", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "64", "--pool-workers", "4"];
+    let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())]);
+    generate(&s, SHORT);
+    // past the spin after the last job
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let before = s.cpu_ticks();
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let used = s.cpu_ticks() - before;
+    let hz: u64 = String::from_utf8(std::process::Command::new("getconf").arg("CLK_TCK").output().unwrap().stdout).unwrap().trim().parse().unwrap();
+    assert!(used * 8 < hz, "{used} ticks of CPU in 2 s idle ({hz} a second)");
+}
+
 /// The seed's measured configuration as one command line (its flags, "matching MTP runtime",
 /// "Keep PLE on SSD" and its four variables) on a tiny qwen4exp, the architecture it was measured
 /// on (MoE, MTP, a PLE table): it starts on a machine without a GPU, says what it cannot use

@@ -127,6 +127,15 @@ impl Server {
         status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap()
     }
 
+    /// CPU time the server's threads have used, in clock ticks (utime + stime of /proc/PID/stat).
+    pub fn cpu_ticks(&self) -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        // the fields after the command name, which is in parentheses and may hold spaces
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<u64> = rest.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
+        f[11] + f[12]
+    }
+
     pub fn get(&self, path: &str) -> (u16, Value) {
         let r = match ureq::get(&format!("{}{path}", self.base)).call() {
             Ok(r) => r,

@@ -204,7 +204,8 @@ fn worker(s: &Shared) {
                 if s.generation.load(Ordering::Acquire) == seen {
                     let _unused = s.wake.wait_timeout(guard, std::time::Duration::from_millis(50));
                 }
-                spins = 0;
+                // No spinning again after a wake without a job: idle workers (zero-copy decode
+                // gives them none) would otherwise spin every 50 ms and take the host's cores.
             }
         };
         seen = gen;
