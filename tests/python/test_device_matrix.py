@@ -47,6 +47,11 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     ])
     row_dir(call, "row-24-0.7-4096", ([100, 200, 100, 200], [10, 10, 20, 20]), ([150, 300, 130, 280], [15, 12, 30, 25]),
             ceiling=([200, 400, 200, 400], [20, 20, 40, 40]), metrics=metrics)
+    steps = [{"steps": 256, "launch_us": {"median": 900.0, "mean": 950.0}, "wait_us": {"median": 5000.0, "mean": 5100.0},
+              "host_us": {"median": 120.0, "mean": 130.0}, "sample_us": {"median": 90.0, "mean": 95.0}},
+             {"steps": 256, "launch_us": {"median": 800.0, "mean": 850.0}, "wait_us": {"median": 5200.0, "mean": 5300.0},
+              "host_us": {"median": 110.0, "mean": 115.0}, "sample_us": {"median": 80.0, "mean": 85.0}}]
+    (call / "row-24-0.7-4096" / "candidate.steps.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
     row_dir(call, "row-12-0.7-4096+minp", ([100] * 4, [10] * 4), ([120, 140, 160, 180], [20] * 4))
     row_dir(call, "row-12-0.7-512-cpu+waves", ([100] * 4, [10] * 4), None)
     res = subprocess.run([sys.executable, str(MATRIX), "--commit", "abc1234", str(call)], capture_output=True, text=True, timeout=60)
@@ -64,6 +69,8 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     assert full["hit_rate"] == 0.9
     assert full["h2d_gib_per_1k_tokens"] == 1.0
     assert (full["swaps"], full["swap_copies_seconds"], full["swap_maps_seconds"]) == (30, 1.25, 0.25)
+    # the medians of the step trace's last line
+    assert full["candidate_step_us"] == {"steps": 256, "call": 800.0, "wait": 5200.0, "between": 110.0, "sampler": 80.0}
 
     minp = rows["row-12-0.7-4096+minp"]
     assert minp["arm"] == "minp"
@@ -71,7 +78,8 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     assert minp["ceiling_from"] == "row-24-0.7-4096"
     assert minp["prefill_vs_allgpu"] == 0.525
     assert (minp["prefill_ratio_min"], minp["prefill_ratio_max"]) == (1.2, 1.8)
-    assert not {"hit_rate", "h2d_gib_per_1k_tokens", "swaps", "swap_copies_seconds", "swap_maps_seconds"} & set(minp), "no /metrics, no figures from them"
+    assert not {"hit_rate", "h2d_gib_per_1k_tokens", "swaps", "swap_copies_seconds", "swap_maps_seconds", "candidate_step_us"} & set(minp), \
+        "no /metrics and no step trace, no figures from them"
 
     broken = rows["row-12-0.7-512-cpu+waves"]
     assert (broken["cold_decode"], broken["arm"]) == ("cpu", "waves")

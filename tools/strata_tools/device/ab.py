@@ -6,7 +6,8 @@ one idle machine, each measured by tools/hip/bench_prefill.py; prints the compar
     tools/device/ab --plan GGUF --vram-gib G [--ctx N]
 
 Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, benchmarked, and
-stopped before the next starts. With --vram-gib G the run emulates a card of G GiB: the control
+stopped before the next starts; strata-server also writes the host's time around its decode
+steps to DIR/<arm>.steps.jsonl (STRATA_STEP_TRACE). With --vram-gib G the run emulates a card of G GiB: the control
 gets the placement such a user would choose, `-ngl 99 --n-cpu-moe N` with N from the tensor sizes
 (--plan prints that arithmetic alone); the candidate gets the same placement plus
 `--vram-reserve-mib`, the Strata flag that will let its expert residency use the rest.
@@ -20,6 +21,7 @@ docs/bench-ab.md; this script only needs the two binaries.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import struct
 import subprocess
@@ -162,7 +164,9 @@ def run_arm(label: str, cmd: list[str], args, port: int) -> Path:
     log = out / f"{label}.log"
     print(f"== {label}: {' '.join(cmd)}", flush=True)
     with open(log, "wb", buffering=0) as f:
-        proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=f)
+        # strata-server writes the host's time around its decode steps there; upstream ignores it
+        env = os.environ | {"STRATA_STEP_TRACE": str(out / f"{label}.steps.jsonl")}
+        proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=f, env=env)
         try:
             url = f"http://127.0.0.1:{port}"
             t0 = time.time()
