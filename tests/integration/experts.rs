@@ -738,6 +738,7 @@ fn idle_cold_expert_workers_use_no_cpu() {
     let before = s.cpu_ticks();
     std::thread::sleep(std::time::Duration::from_secs(2));
     let used = s.cpu_ticks() - before;
+    eprintln!("idle workers: {used} ticks of CPU in 2 s");
     let hz: u64 = String::from_utf8(std::process::Command::new("getconf").arg("CLK_TCK").output().unwrap().stdout).unwrap().trim().parse().unwrap();
     assert!(used * 8 < hz, "{used} ticks of CPU in 2 s idle ({hz} a second)");
 }
