@@ -362,19 +362,8 @@ fn wait_inflight(p: &Provider, rows: &[u32]) {
 /// Reads chunks of rows into the cache ahead of the batches that need them, until the provider
 /// is gone.
 fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Chunk>) {
-    while let Ok((rows, successors)) = rx.recv() {
+    while let Ok((mut todo, successors)) = rx.recv() {
         let Some(p) = provider.upgrade() else { return };
-        let mut todo: Vec<u32> = {
-            let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
-            let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
-            let mut seen = HashSet::new();
-            let todo: Vec<u32> = rows.into_iter().filter(|&r| seen.insert(r) && !inflight.contains(&r) && cache.get(r).is_none()).collect();
-            inflight.extend(&todo);
-            todo
-        };
-        if todo.is_empty() {
-            continue;
-        }
         todo.sort_unstable();
         if read_from_file(&p, &todo).is_ok() {
             let counter = if successors { &p.counters.successor_prefetched } else { &p.counters.prefetched };
@@ -387,6 +376,34 @@ fn prefetcher(provider: &Weak<Provider>, rx: &mpsc::Receiver<Chunk>) {
         }
         drop(inflight);
         p.landed.notify_all();
+    }
+}
+
+/// Hands the prefetcher those of `rows` that are neither cached nor being read. They count as in
+/// flight from here, not from when the prefetcher's thread wakes, so a batch that needs one waits
+/// for that read instead of reading the row a second time itself.
+fn send_rows(p: &Provider, tx: &mpsc::Sender<Chunk>, rows: impl IntoIterator<Item = u32>, successors: bool) -> bool {
+    let todo: Vec<u32> = {
+        let mut cache = p.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        let todo: Vec<u32> = rows.into_iter().filter(|&r| !inflight.contains(&r) && cache.get(r).is_none()).collect::<HashSet<_>>().into_iter().collect();
+        inflight.extend(&todo);
+        todo
+    };
+    if todo.is_empty() {
+        return true;
+    }
+    match tx.send((todo, successors)) {
+        Ok(()) => true,
+        Err(mpsc::SendError((todo, _))) => {
+            let mut inflight = p.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            for r in &todo {
+                inflight.remove(r);
+            }
+            drop(inflight);
+            p.landed.notify_all();
+            false
+        }
     }
 }
 
@@ -412,7 +429,7 @@ pub fn prefetch(model: *const sys::llama_model, prompt: &[i32], from: usize, chu
     let budget = (p.cache.lock().map(|c| c.budget()).unwrap_or(0) / 2 / p.table.row_bytes.max(1)) as usize;
     let rows: Vec<u32> = rows.into_iter().filter(|&r| u64::from(r) < p.table.n_rows).take(budget).collect();
     for c in rows.chunks(chunk.max(1) * per_token) {
-        if tx.send((c.to_vec(), false)).is_err() {
+        if !send_rows(&p, &tx, c.iter().copied(), false) {
             return;
         }
     }
@@ -449,7 +466,7 @@ pub fn after_token(model: *const sys::llama_model, tokens: &[i32]) {
         }
     }
     rows.retain(|&r| u64::from(r) < p.table.n_rows);
-    let _ = tx.send((rows, true));
+    send_rows(&p, &tx, rows, true);
 }
 
 /// Rows closer than this in the file are read as one range: a direct read costs at least a
