@@ -31,16 +31,13 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Result<Token> {
-        let t0 = std::time::Instant::now();
-        let out = call(|err| {
-            // SAFETY: valid sampler and context; idx refers to an output of the last decode.
-            let t = unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx, err) };
-            (t != sys::LLAMA_TOKEN_NULL).then_some(t)
-        });
-        if crate::step_trace::active() {
-            crate::step_trace::sampled(t0.elapsed());
-        }
-        out
+        crate::step_trace::sampling(|| {
+            call(|err| {
+                // SAFETY: valid sampler and context; idx refers to an output of the last decode.
+                let t = unsafe { sys::strata_sampler_sample(self.ptr.as_ptr(), ctx.as_ptr(), idx, err) };
+                (t != sys::LLAMA_TOKEN_NULL).then_some(t)
+            })
+        })
     }
 
     /// Verifies a draft decoded at batch indices `idxs` (the last sampled token's, then one
@@ -48,16 +45,13 @@ impl Sampler {
     /// Returns the samples (at least one; the matched draft tokens, then the first new token),
     /// all already accepted by the sampler.
     pub fn sample_and_accept_n(&mut self, ctx: &mut Context<'_>, idxs: &[i32], draft: &[Token]) -> Result<Vec<Token>> {
-        let t0 = std::time::Instant::now();
-        let out = verify(idxs, draft, |out, err| {
-            // SAFETY: idxs has draft.len() + 1 entries, out room for as many; the indices refer
-            // to outputs of the last decode.
-            unsafe { sys::strata_sampler_sample_and_accept_n(self.ptr.as_ptr(), ctx.as_ptr(), idxs.as_ptr(), draft.as_ptr(), draft.len() as i32, out, err) }
-        });
-        if crate::step_trace::active() {
-            crate::step_trace::sampled(t0.elapsed());
-        }
-        out
+        crate::step_trace::sampling(|| {
+            verify(idxs, draft, |out, err| {
+                // SAFETY: idxs has draft.len() + 1 entries, out room for as many; the indices
+                // refer to outputs of the last decode.
+                unsafe { sys::strata_sampler_sample_and_accept_n(self.ptr.as_ptr(), ctx.as_ptr(), idxs.as_ptr(), draft.as_ptr(), draft.len() as i32, out, err) }
+            })
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::strata_sampler {

@@ -46,11 +46,17 @@ pub(crate) fn active() -> bool {
     ON.load(Ordering::Relaxed)
 }
 
-/// A sampler call's time, counted into the next traced step's host time.
-pub(crate) fn sampled(d: Duration) {
-    if let Some(t) = TRACE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        t.sample += d;
+/// Runs a sampler call, its time counted into the next traced step's host time when tracing.
+pub(crate) fn sampling<R>(f: impl FnOnce() -> R) -> R {
+    if !active() {
+        return f();
     }
+    let t0 = Instant::now();
+    let out = f();
+    if let Some(t) = TRACE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        t.sample += t0.elapsed();
+    }
+    out
 }
 
 /// A batch of `n_tokens` whose llama_decode call began at `begin` and returned at `launched`,
