@@ -1,5 +1,5 @@
 """What the Python tools and tests share: a free loopback port, waiting for a server's /health,
-stopping it, JSON requests, and strata-server's /metrics samples.
+stopping it, JSON requests, strata-server's /metrics samples and its step trace.
 
 Scripts under tools/ put tools/ on sys.path (`sys.path.insert(0, str(TOOLS))`) and import this.
 """
@@ -67,3 +67,18 @@ def strata_metrics(url: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+def step_trace_medians(path) -> dict | None:
+    """The medians of the last line of a STRATA_STEP_TRACE file, in microseconds a decode step:
+    the llama_decode call, the wait for the device, the host's time between steps and the
+    sampler's share of it; None without a file or a line."""
+    try:
+        lines = [json.loads(ln) for ln in open(path).read().splitlines() if ln.strip()]
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not lines:
+        return None
+    last = lines[-1]
+    parts = {"call": "launch_us", "wait": "wait_us", "between": "host_us", "sampler": "sample_us"}
+    return {"steps": last.get("steps")} | {k: (last.get(v) or {}).get("median") for k, v in parts.items()}
