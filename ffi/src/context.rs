@@ -90,8 +90,10 @@ impl<'m> Context<'m> {
     pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
         // Routing that zero-copy MoE layers logged in batches decoded elsewhere (llama.cpp's
         // warm-up) is counted before this batch overwrites it.
-        self.count_logged_routing();
-        crate::moe::before_decode(self.model.as_ptr() as usize, batch.raw().n_tokens.into());
+        crate::step_trace::tiers(|| {
+            self.count_logged_routing();
+            crate::moe::before_decode(self.model.as_ptr() as usize, batch.raw().n_tokens.into());
+        });
         let t0 = std::time::Instant::now();
         crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
@@ -103,10 +105,12 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
             crate::step_trace::step(batch.raw().n_tokens, t0, launched, std::time::Instant::now());
         }
-        self.count_logged_routing();
         let ctx = self.ptr.as_ptr();
-        // SAFETY: valid context.
-        crate::moe::adapt::after_batch(self.model.as_ptr() as usize, &mut || unsafe { sys::llama_synchronize(ctx) });
+        crate::step_trace::tiers(|| {
+            self.count_logged_routing();
+            // SAFETY: valid context.
+            crate::moe::adapt::after_batch(self.model.as_ptr() as usize, &mut || unsafe { sys::llama_synchronize(ctx) });
+        });
         DecodeError::check(rc)?;
         match crate::ple::take_failure(self.model.as_ptr()) {
             Some(e) => Err(DecodeError::Io(e)),

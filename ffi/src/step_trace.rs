@@ -2,7 +2,8 @@
 //! from the time the device idles where no timeline profiler runs. For each batch of at most
 //! [`MAX_TOKENS`] tokens: the llama_decode call (the graph's build or reuse, then its launch), the
 //! wait for the device after it, and the host's time from the end of the previous step's wait to
-//! this call (sampling, the server's own work), with the sampler's share of it. Every
+//! this call (sampling, the server's own work), with the sampler's and the expert tiers'
+//! bookkeeping's shares of it (counting the routing log, lending, adaptation's swaps). Every
 //! [`STEPS_PER_LINE`] steps one JSON line of medians and means, in microseconds.
 
 use std::io::Write;
@@ -22,6 +23,7 @@ pub(crate) struct Step {
     /// step, or after a batch that was not traced).
     pub host_us: Option<f64>,
     pub sample_us: f64,
+    pub tiers_us: f64,
 }
 
 struct Trace {
@@ -29,6 +31,7 @@ struct Trace {
     steps: Vec<Step>,
     last_end: Option<Instant>,
     sample: Duration,
+    tiers: Duration,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -37,7 +40,7 @@ static TRACE: Mutex<Option<Trace>> = Mutex::new(None);
 /// Starts tracing into FILE (created or truncated).
 pub fn open(path: &std::path::Path) -> std::io::Result<()> {
     let file = std::fs::File::create(path)?;
-    *TRACE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Trace { file, steps: Vec::new(), last_end: None, sample: Duration::ZERO });
+    *TRACE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Trace { file, steps: Vec::new(), last_end: None, sample: Duration::ZERO, tiers: Duration::ZERO });
     ON.store(true, Ordering::Release);
     Ok(())
 }
@@ -48,13 +51,22 @@ pub(crate) fn active() -> bool {
 
 /// Runs a sampler call, its time counted into the next traced step's host time when tracing.
 pub(crate) fn sampling<R>(f: impl FnOnce() -> R) -> R {
+    timed(f, |t| &mut t.sample)
+}
+
+/// Runs the expert tiers' work around a llama_decode call, counted like the sampler's.
+pub(crate) fn tiers<R>(f: impl FnOnce() -> R) -> R {
+    timed(f, |t| &mut t.tiers)
+}
+
+fn timed<R>(f: impl FnOnce() -> R, part: fn(&mut Trace) -> &mut Duration) -> R {
     if !active() {
         return f();
     }
     let t0 = Instant::now();
     let out = f();
     if let Some(t) = TRACE.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        t.sample += t0.elapsed();
+        *part(t) += t0.elapsed();
     }
     out
 }
@@ -67,11 +79,18 @@ pub(crate) fn step(n_tokens: i32, begin: Instant, launched: Instant, end: Instan
     if n_tokens > MAX_TOKENS {
         t.last_end = None;
         t.sample = Duration::ZERO;
+        t.tiers = Duration::ZERO;
         return;
     }
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let host_us = t.last_end.map(|e| us(begin.saturating_duration_since(e)));
-    t.steps.push(Step { launch_us: us(launched - begin), wait_us: us(end - launched), host_us, sample_us: us(std::mem::take(&mut t.sample)) });
+    t.steps.push(Step {
+        launch_us: us(launched - begin),
+        wait_us: us(end - launched),
+        host_us,
+        sample_us: us(std::mem::take(&mut t.sample)),
+        tiers_us: us(std::mem::take(&mut t.tiers)),
+    });
     t.last_end = Some(end);
     if t.steps.len() >= STEPS_PER_LINE {
         let line = summary(&std::mem::take(&mut t.steps));
@@ -96,6 +115,7 @@ pub(crate) fn summary(steps: &[Step]) -> serde_json::Value {
         "wait_us": stats(steps.iter().map(|s| s.wait_us).collect()),
         "host_us": stats(steps.iter().filter_map(|s| s.host_us).collect()),
         "sample_us": stats(steps.iter().map(|s| s.sample_us).collect()),
+        "tiers_us": stats(steps.iter().map(|s| s.tiers_us).collect()),
     })
 }
 
@@ -105,7 +125,7 @@ mod tests {
 
     #[test]
     fn the_summary_gives_each_part_its_median_and_mean() {
-        let s = |launch_us, wait_us, host_us, sample_us| Step { launch_us, wait_us, host_us, sample_us };
+        let s = |launch_us, wait_us, host_us, sample_us| Step { launch_us, wait_us, host_us, sample_us, tiers_us: sample_us / 2.0 };
         let steps = [s(10.0, 100.0, None, 5.0), s(20.0, 300.0, Some(40.0), 7.0), s(30.0, 200.0, Some(60.0), 9.0)];
         let v = summary(&steps);
         assert_eq!(v["steps"], 3);
@@ -116,6 +136,7 @@ mod tests {
         assert_eq!(v["host_us"]["median"], 60.0);
         assert_eq!(v["host_us"]["mean"], 50.0);
         assert_eq!(v["sample_us"]["mean"], 7.0);
+        assert_eq!(v["tiers_us"]["median"], 3.5);
         assert!(summary(&[])["launch_us"].is_null());
     }
 }

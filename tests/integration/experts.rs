@@ -796,3 +796,26 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
     }
     assert!(metric(&s, "expert_selections_total", "ram") > 0, "cold experts served from the RAM copy");
 }
+
+/// STRATA_STEP_TRACE through a server with zero-copy decode and adaptation: a line per 256 steps
+/// whose host time between steps has the sampler's and the tiers' bookkeeping's shares.
+#[test]
+fn the_step_trace_has_the_tiers_bookkeeping_of_zero_copy_decode() {
+    let m = model(MODEL);
+    let dir = tmp("step-trace");
+    let root = guard_root(&dir, 64 << 20);
+    let trace = dir.join("steps.jsonl");
+    let args = ["-m", m.to_str().unwrap(), "-c", "2048", "--resident-cpu-experts", "--expert-cache", "24", "--adapt-every", "64"];
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_COLD_DECODE", "mapped"), ("STRATA_STEP_TRACE", trace.to_str().unwrap())];
+    let s = Server::start(&args, &env);
+    let body = json!({"prompt": SHORT, "n_predict": 300, "temperature": 0, "ignore_eos": true, "cache_prompt": false});
+    let (status, v) = s.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    drop(s);
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let line: Value = serde_json::from_str(text.lines().next().expect("no line after 300 steps")).unwrap();
+    assert_eq!(line["steps"], 256, "{line}");
+    for part in ["launch_us", "wait_us", "host_us", "sample_us", "tiers_us"] {
+        assert!(line[part]["median"].as_f64().is_some_and(|x| x > 0.0), "{part}: {line}");
+    }
+}

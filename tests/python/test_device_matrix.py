@@ -70,7 +70,7 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
     assert full["h2d_gib_per_1k_tokens"] == 1.0
     assert (full["swaps"], full["swap_copies_seconds"], full["swap_maps_seconds"]) == (30, 1.25, 0.25)
     # the medians of the step trace's last line
-    assert full["candidate_step_us"] == {"steps": 256, "call": 800.0, "wait": 5200.0, "between": 110.0, "sampler": 80.0}
+    assert full["candidate_step_us"] == {"steps": 256, "call": 800.0, "wait": 5200.0, "between": 110.0, "sampler": 80.0, "tiers": None}
 
     minp = rows["row-12-0.7-4096+minp"]
     assert minp["arm"] == "minp"

@@ -72,7 +72,8 @@ def strata_metrics(url: str) -> dict[str, float]:
 def step_trace_medians(path) -> dict | None:
     """The medians of the last line of a STRATA_STEP_TRACE file, in microseconds a decode step:
     the llama_decode call, the wait for the device, the host's time between steps and the
-    sampler's share of it; None without a file or a line."""
+    sampler's and the expert tiers' bookkeeping's shares of it (tiers: None in traces from before it
+    was recorded); None without a file or a line."""
     try:
         lines = [json.loads(ln) for ln in open(path).read().splitlines() if ln.strip()]
     except (OSError, json.JSONDecodeError):
@@ -80,5 +81,5 @@ def step_trace_medians(path) -> dict | None:
     if not lines:
         return None
     last = lines[-1]
-    parts = {"call": "launch_us", "wait": "wait_us", "between": "host_us", "sampler": "sample_us"}
+    parts = {"call": "launch_us", "wait": "wait_us", "between": "host_us", "sampler": "sample_us", "tiers": "tiers_us"}
     return {"steps": last.get("steps")} | {k: (last.get(v) or {}).get("median") for k, v in parts.items()}

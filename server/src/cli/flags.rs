@@ -298,7 +298,7 @@ pub const ENV_VARS: &[EnvVar] = &[
     },
     EnvVar {
         name: "STRATA_STEP_TRACE",
-        help: "write the host's time around decode steps to FILE: the llama_decode call, the wait for the device, the host's own time between steps and the sampler's share (diagnostics: one JSON line of medians and means per 256 steps)",
+        help: "write the host's time around decode steps to FILE: the llama_decode call, the wait for the device, the host's own time between steps with the sampler's and the expert tiers' bookkeeping's shares (diagnostics: one JSON line of medians and means per 256 steps)",
         effect: Effect::Active,
     },
     EnvVar {
