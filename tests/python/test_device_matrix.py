@@ -108,3 +108,35 @@ def test_gemm_rows_compare_the_table_with_the_control_and_with_itself_off(tmp_pa
     assert (off["prefill_ratio_min"], off["prefill_ratio_max"]) == (0.95, 1.0)
     assert "prefill_vs_off_min" not in off
     assert rows["gemm-m80-on"]["error"].startswith("no result")
+
+
+def test_with_decode_adds_the_decodediag_arms_and_the_kernel_totals(tmp_path):
+    call = tmp_path / "call2"
+    row_dir(call, "row-24-0.7-4096", ([100] * 4, [10] * 4), ([150] * 4, [15] * 4), ceiling=([200] * 4, [20] * 4))
+    diag = call / "decodediag"
+    diag.mkdir()
+    (diag / "arms.json").write_text(json.dumps({"allgpu": ["llama-server", "-ngl", "99"],
+                                                "tiered": ["strata-server", "--resident-experts"],
+                                                "broken": ["strata-server"]}))
+    (diag / "allgpu.json").write_text(json.dumps({"runs": [{"predicted_per_second": 200.0}, {"predicted_per_second": 190.0}],
+                                                  "graphs_reused": 500}))
+    (diag / "tiered.json").write_text(json.dumps({"runs": [{"predicted_per_second": 170.0}, {"predicted_per_second": 160.0},
+                                                           {"predicted_per_second": 180.0}], "graphs_reused": 499}))
+    kprof = call / "kprof"
+    kprof.mkdir()
+    (kprof / "arms.json").write_text("{}")
+    (kprof / "allgpu.json").write_text(json.dumps({"steps": 10, "kernels_per_step": 1110, "gpu_us_per_step": 6939.1,
+                                                   "by_kernel": []}))
+    res = subprocess.run([sys.executable, str(MATRIX), "--with-decode", "--commit", "abc1234", str(call)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["strata_commit"] == "abc1234"
+    assert [r["dir"] for r in out["rows"]] == ["row-24-0.7-4096"]
+    arms = {a["arm"]: a for a in out["decode"]}
+    assert arms["allgpu"]["decode_tps_median"] == 195.0 and arms["allgpu"]["vs_first"] == 1.0
+    assert arms["tiered"]["decode_tps"] == [170.0, 160.0, 180.0]
+    assert arms["tiered"]["vs_first"] == round(170.0 / 195.0, 3)
+    assert arms["tiered"]["command"] == "strata-server --resident-experts"
+    assert arms["broken"]["error"].startswith("no result")
+    assert out["kprof"] == {"call2": {"allgpu": {"steps": 10, "kernels_per_step": 1110, "gpu_us_per_step": 6939.1}}}
