@@ -42,6 +42,11 @@ struct strata_chat_templates {
 struct strata_sampler {
     common_params_sampling params;
     common_sampler *       smpl = nullptr;
+    // The chain picks the first token of highest logit whenever that token is unique: a scan of
+    // the logits answers instead of the chain (see sampler_is_argmax).
+    bool                          argmax = false;
+    std::vector<llama_logit_bias> bias;  // the chain's logit biases, suppressed tokens included
+    llama_token                   scanned = LLAMA_TOKEN_NULL;  // the last sample, when the scan gave it
 };
 
 struct strata_speculative {
@@ -726,6 +731,167 @@ char * strata_sampling_json(const strata_params * p, const char * overrides_json
     });
 }
 
+// Whether the chain common_sampler_init builds from p always selects the first token of highest
+// (biased) logit when that token is the only one with that logit: the samplers before the one
+// that reduces the candidates to it (top-k 1, or temperature <= 0) leave the logits as they are
+// and keep that token; the ones after it cannot drop it. Penalties, DRY, XTC, typical and top-n-sigma
+// must be off, since they change or drop the top token; grammars, the reasoning budget, mirostat
+// and backend sampling take the chain. (One draw in 2^64 of the chain's last sampler, exactly 0,
+// picks token 0 over an unsorted vocabulary when top-k is off; the scan picks the top.)
+static bool sampler_is_argmax(const common_params_sampling & p) {
+    if (p.mirostat != 0 || p.backend_sampling || !common_grammar_value(p.grammar).empty()) {
+        return false;
+    }
+    if (!p.reasoning_budget_start.empty() && !p.reasoning_budget_end.empty() &&
+        (p.grammar_lazy || p.reasoning_budget_tokens >= 0 || p.reasoning_control)) {
+        return false;
+    }
+    bool reduced = false;
+    for (const auto t : p.samplers) {
+        switch (t) {
+            case COMMON_SAMPLER_TYPE_PENALTIES:
+                if (!(p.penalty_last_n == 0 || (p.penalty_repeat == 1.0f && p.penalty_freq == 0.0f && p.penalty_present == 0.0f))) {
+                    return false;
+                }
+                break;
+            case COMMON_SAMPLER_TYPE_DRY:
+                if (!(p.dry_multiplier == 0.0f || p.dry_base < 1.0f || p.dry_penalty_last_n == 0)) {
+                    return false;
+                }
+                break;
+            case COMMON_SAMPLER_TYPE_XTC:
+                if (!(p.xtc_probability <= 0.0f || p.xtc_threshold > 0.5f)) {
+                    return false;
+                }
+                break;
+            case COMMON_SAMPLER_TYPE_TYPICAL_P:
+                if (p.typ_p < 1.0f) {
+                    return false;
+                }
+                break;
+            case COMMON_SAMPLER_TYPE_TOP_N_SIGMA:
+                if (p.top_n_sigma > 0.0f) {
+                    return false;
+                }
+                break;
+            case COMMON_SAMPLER_TYPE_TOP_K:
+                reduced |= p.top_k == 1;
+                break;
+            case COMMON_SAMPLER_TYPE_TOP_P:
+            case COMMON_SAMPLER_TYPE_MIN_P:
+                break;
+            case COMMON_SAMPLER_TYPE_TEMPERATURE:
+                if (p.temp <= 0.0f && p.dynatemp_range <= 0.0f) {
+                    reduced = true;
+                } else if (!reduced) {
+                    return false;  // scaling first could round the top logit into a tie
+                }
+                break;
+            default:
+                return false;
+        }
+    }
+    return reduced;
+}
+
+// GCC's vector types: the compiler does not vectorise a max over floats by itself.
+typedef float   strata_f32x4 __attribute__((vector_size(16)));
+typedef int32_t strata_i32x4 __attribute__((vector_size(16)));
+
+int32_t strata_logits_argmax(const float * x, int32_t n, bool * unique) {
+    *unique = false;
+    if (n <= 0) {
+        return -1;
+    }
+    constexpr int32_t L = 4, U = 4, W = L * U;
+    const int32_t     m = n - n % W;
+    const auto        load = [x](int32_t i) {
+        strata_f32x4 v;
+        std::memcpy(&v, x + i, sizeof(v));
+        return v;
+    };
+    strata_f32x4 top_v[U], sum_v[U];
+    for (int32_t u = 0; u < U; u++) {
+        top_v[u] = strata_f32x4{} - INFINITY;
+        sum_v[u] = strata_f32x4{};
+    }
+    for (int32_t i = 0; i < m; i += W) {
+        for (int32_t u = 0; u < U; u++) {
+            const strata_f32x4 v = load(i + u * L);
+            top_v[u]             = v > top_v[u] ? v : top_v[u];
+            sum_v[u] += v;  // NaN in, NaN out: one check at the end
+        }
+    }
+    float top = -INFINITY, sum = 0.0f;
+    for (int32_t u = 0; u < U; u++) {
+        for (int32_t l = 0; l < L; l++) {
+            top = top_v[u][l] > top ? top_v[u][l] : top;
+            sum += sum_v[u][l];
+        }
+    }
+    for (int32_t i = m; i < n; i++) {
+        top = x[i] > top ? x[i] : top;
+        sum += x[i];
+    }
+    // a NaN sum is a NaN logit or infinities of both signs (logits or overflowed sums): the chain decides
+    if (std::isnan(sum) || !std::isfinite(top)) {
+        return -1;
+    }
+    const strata_f32x4 top4 = strata_f32x4{} + top;
+    strata_i32x4       same_v[U] = {};
+    int32_t            found     = -1;
+    for (int32_t i = 0; i < m; i += W) {
+        strata_i32x4 hit = {};
+        for (int32_t u = 0; u < U; u++) {
+            const strata_i32x4 eq = load(i + u * L) == top4;
+            same_v[u] -= eq;
+            hit |= eq;
+        }
+        if (found < 0 && (hit[0] | hit[1] | hit[2] | hit[3])) {
+            found = i;
+        }
+    }
+    int32_t same = 0;
+    for (int32_t u = 0; u < U; u++) {
+        same += same_v[u][0] + same_v[u][1] + same_v[u][2] + same_v[u][3];
+    }
+    for (int32_t i = m; i < n; i++) {
+        same += x[i] == top;
+    }
+    int32_t i = found < 0 ? m : found;
+    while (x[i] != top) {
+        i++;
+    }
+    *unique = same == 1;
+    return i;
+}
+
+// The chain's answer from a scan of the logits, or LLAMA_TOKEN_NULL where the chain must decide:
+// the top token is tied, biased, or not above every biased token (or there are many biases).
+static llama_token sampler_scan(const strata_sampler * s, const float * logits, int32_t n_vocab) {
+    bool          unique = false;
+    const int32_t top    = s->bias.size() > 64 ? -1 : strata_logits_argmax(logits, n_vocab, &unique);
+    if (top < 0 || !unique) {
+        return LLAMA_TOKEN_NULL;
+    }
+    for (const auto & lb : s->bias) {
+        if (lb.token < 0 || lb.token >= n_vocab) {
+            continue;
+        }
+        if (lb.token == top) {
+            return LLAMA_TOKEN_NULL;
+        }
+        float v = logits[lb.token];
+        for (const auto & other : s->bias) {
+            v += other.token == lb.token ? other.bias : 0.0f;
+        }
+        if (!(v < logits[top])) {
+            return LLAMA_TOKEN_NULL;
+        }
+    }
+    return top;
+}
+
 strata_sampler * strata_sampler_init(const struct llama_model * model, const strata_params * p, const char * overrides_json, char ** err) {
     return guarded<strata_sampler *>(err, nullptr, [&]() -> strata_sampler * {
         auto * s = new strata_sampler;
@@ -735,6 +901,13 @@ strata_sampler * strata_sampler_init(const struct llama_model * model, const str
             delete s;
             set_err(err, "failed to initialise the sampler (invalid grammar?)");
             return nullptr;
+        }
+        s->argmax = sampler_is_argmax(s->params);
+        s->bias   = s->params.logit_bias;
+        int32_t             n_suppress = 0;
+        const llama_token * suppress   = llama_vocab_get_suppress_tokens(llama_model_get_vocab(model), &n_suppress);
+        for (int32_t i = 0; i < n_suppress; i++) {
+            s->bias.push_back({ suppress[i], -INFINITY });
         }
         return s;
     });
@@ -748,7 +921,30 @@ void strata_sampler_free(strata_sampler * s) {
 }
 
 llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx, int32_t idx, char ** err) {
-    return guarded<llama_token>(err, LLAMA_TOKEN_NULL, [&]() { return common_sampler_sample(s->smpl, ctx, idx); });
+    return guarded<llama_token>(err, LLAMA_TOKEN_NULL, [&]() {
+        s->scanned = LLAMA_TOKEN_NULL;
+        if (s->argmax) {
+            llama_synchronize(ctx);
+            const bool    backend = llama_get_sampled_token_ith(ctx, idx) != LLAMA_TOKEN_NULL || llama_get_sampled_logits_ith(ctx, idx) ||
+                                 llama_get_sampled_probs_ith(ctx, idx);
+            const float * logits  = backend ? nullptr : llama_get_logits_ith(ctx, idx);
+            if (logits) {
+                s->scanned = sampler_scan(s, logits, llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx))));
+            }
+            if (s->scanned != LLAMA_TOKEN_NULL) {
+                return s->scanned;
+            }
+        }
+        return common_sampler_sample(s->smpl, ctx, idx);
+    });
+}
+
+void strata_sampler_set_argmax(strata_sampler * s, bool enabled) {
+    s->argmax = enabled && sampler_is_argmax(s->params);
+}
+
+bool strata_sampler_argmax(const strata_sampler * s) {
+    return s->argmax;
 }
 
 int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
@@ -756,6 +952,7 @@ int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_cont
     return guarded<int32_t>(err, -1, [&]() {
         const std::vector<int> i(idxs, idxs + n_draft + 1);
         const llama_tokens d(draft, draft + n_draft);
+        s->scanned = LLAMA_TOKEN_NULL;
         const auto accepted = common_sampler_sample_and_accept_n(s->smpl, ctx, i, d);
         const int32_t n = std::min<int32_t>(n_draft + 1, static_cast<int32_t>(accepted.size()));
         std::memcpy(out, accepted.data(), sizeof(llama_token) * n);
@@ -773,6 +970,7 @@ bool strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_gr
 bool strata_sampler_reset(strata_sampler * s, char ** err) {
     return guarded<bool>(err, false, [&]() {
         common_sampler_reset(s->smpl);
+        s->scanned = LLAMA_TOKEN_NULL;
         return true;
     });
 }
@@ -780,6 +978,16 @@ bool strata_sampler_reset(strata_sampler * s, char ** err) {
 int32_t strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
                                   llama_token * ids, float * probs, int32_t n_max, char ** err) {
     return guarded<int32_t>(err, -1, [&]() {
+        if (s->scanned != LLAMA_TOKEN_NULL) {
+            // the chain would have left the scanned token alone with probability 1 (others at 0)
+            *token_prob = token == s->scanned ? 1.0f : 0.0f;
+            if (n_max < 1) {
+                return 0;
+            }
+            ids[0]   = s->scanned;
+            probs[0] = 1.0f;
+            return 1;
+        }
         const llama_token_data_array * cur = common_sampler_get_candidates(s->smpl, true);
         *token_prob = 0.0f;
         int32_t written = 0;

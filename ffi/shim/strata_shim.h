@@ -142,6 +142,14 @@ llama_token      strata_sampler_sample(strata_sampler * s, struct llama_context 
 // (room for n_draft + 1); returns how many, -1 on failure.
 int32_t strata_sampler_sample_and_accept_n(strata_sampler * s, struct llama_context * ctx, const int32_t * idxs,
                                            const llama_token * draft, int32_t n_draft, llama_token * out, char ** err);
+// The first index of the highest of n logits, with *unique set to whether no other logit has that
+// value; -1 when a logit is NaN or the highest is not finite (or n is 0).
+int32_t          strata_logits_argmax(const float * x, int32_t n, bool * unique);
+// Whether sampling may answer from a scan of the logits where the chain would pick their first,
+// only, highest value (the chain's settings allow it: greedy, nothing that changes or drops the top
+// token); enabled by default, and only ever where the settings allow it.
+void             strata_sampler_set_argmax(strata_sampler * s, bool enabled);
+bool             strata_sampler_argmax(const strata_sampler * s);
 bool             strata_sampler_accept(strata_sampler * s, llama_token token, bool accept_grammar, char ** err);
 bool             strata_sampler_reset(strata_sampler * s, char ** err);
 uint32_t         strata_sampler_seed(const strata_sampler * s);

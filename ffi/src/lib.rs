@@ -40,7 +40,7 @@ pub use lora::LoraAdapter;
 pub use model::{Model, ModelParams, Token, Vocab};
 pub use params::{ParseOutcome, ServerParams};
 pub use router::{reserve_stdout, resolve_models, router_check_repo, router_download, router_models, router_remove_cached};
-pub use sampler::{sampling_settings, Sampler};
+pub use sampler::{logits_argmax, sampling_settings, Sampler};
 pub use speculative::Speculative;
 pub use strata_hooks::install_hooks;
 

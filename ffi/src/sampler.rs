@@ -54,6 +54,19 @@ impl Sampler {
         })
     }
 
+    /// Lets `sample` answer from a scan of the logits where the chain's settings make it pick
+    /// their first, only, highest value (on by default; off runs the chain every time).
+    pub fn set_argmax(&mut self, enabled: bool) {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_set_argmax(self.ptr.as_ptr(), enabled) }
+    }
+
+    /// Whether `sample` may answer from a scan of the logits (see `set_argmax`).
+    pub fn argmax(&self) -> bool {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_argmax(self.ptr.as_ptr()) }
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut sys::strata_sampler {
         self.ptr.as_ptr()
     }
@@ -135,5 +148,73 @@ impl Drop for Sampler {
     fn drop(&mut self) {
         // SAFETY: owned handle, freed once.
         unsafe { sys::strata_sampler_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// The index of the highest logit, and whether no other logit equals it; None when a logit is
+/// NaN or the highest is not finite. What greedy sampling's scan answers from.
+pub fn logits_argmax(logits: &[f32]) -> Option<(usize, bool)> {
+    let n = i32::try_from(logits.len()).ok()?;
+    let mut unique = false;
+    // SAFETY: the slice holds n floats; unique is a valid out-pointer.
+    let i = unsafe { sys::strata_logits_argmax(logits.as_ptr(), n, &mut unique) };
+    usize::try_from(i).ok().map(|i| (i, unique))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::logits_argmax;
+
+    /// Plain first-index-of-maximum, the chain's answer for a unique top.
+    fn reference(x: &[f32]) -> Option<(usize, bool)> {
+        if x.is_empty() || x.iter().any(|v| v.is_nan()) {
+            return None;
+        }
+        let top = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if !top.is_finite() {
+            return None;
+        }
+        let first = x.iter().position(|&v| v == top)?;
+        Some((first, x.iter().filter(|&&v| v == top).count() == 1))
+    }
+
+    #[test]
+    fn the_scan_finds_the_first_top_logit_anywhere_in_vectors_of_any_length() {
+        let mut seed = 0x9e37_79b9_u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed % 20_000) as f32 / 1000.0 - 10.0
+        };
+        for n in [1usize, 2, 3, 15, 16, 17, 31, 64, 65, 1000, 151_936] {
+            let base: Vec<f32> = (0..n).map(|_| next()).collect();
+            assert_eq!(logits_argmax(&base), reference(&base), "n {n}");
+            for at in [0, n / 2, n - 1] {
+                let mut x = base.clone();
+                x[at] = 50.0;
+                assert_eq!(logits_argmax(&x), Some((at, true)), "n {n}, top at {at}");
+                // a second equal top later makes it tied; the first stays the answer
+                if at + 1 < n {
+                    x[n - 1] = 50.0;
+                    assert_eq!(logits_argmax(&x), Some((at, false)), "n {n}, tie with the last");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nan_infinite_tops_and_empty_logits_are_left_to_the_chain() {
+        let mut x = vec![0.5f32; 100];
+        x[7] = 2.0;
+        assert_eq!(logits_argmax(&x), Some((7, true)));
+        x[93] = f32::NAN;
+        assert_eq!(logits_argmax(&x), None, "a NaN anywhere");
+        x[93] = f32::INFINITY;
+        assert_eq!(logits_argmax(&x), None, "an infinite top");
+        x[93] = f32::NEG_INFINITY;
+        assert_eq!(logits_argmax(&x), Some((7, true)), "banned tokens are fine");
+        assert_eq!(logits_argmax(&[f32::NEG_INFINITY; 40]), None, "every token banned");
+        assert_eq!(logits_argmax(&[]), None);
     }
 }

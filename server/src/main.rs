@@ -112,6 +112,13 @@ fn serve(
         eprintln!("strata: warning: {w}");
     }
     let max_queued = strata.max_queued;
+    let sampler_argmax = match std::env::var("STRATA_SAMPLER_ARGMAX").as_deref().map(str::trim) {
+        Err(_) | Ok("") | Ok("1") => true,
+        Ok("0") => false,
+        Ok(v) => anyhow::bail!(
+            "STRATA_SAMPLER_ARGMAX: invalid value '{v}': expected 1 (greedy sampling answers from a scan of the logits) or 0 (the sampler chain every time)"
+        ),
+    };
     let cfg = params.to_json().context("reading parsed parameters")?;
     let conf = cli::config::ServerConfig::from_json(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
@@ -152,6 +159,7 @@ fn serve(
             max_queued,
             use_mmap: conf.load_mode.maps_the_file(),
             main_gpu: usize::try_from(conf.main_gpu).unwrap_or(0),
+            sampler_argmax,
             cache_ram_mib: conf.cache_ram_mib,
             cache_idle_slots: conf.cache_idle_slots,
             n_ctx_checkpoints: usize::try_from(conf.n_ctx_checkpoints).unwrap_or(0),

@@ -16,6 +16,7 @@ mod ple;
 mod responses;
 mod router;
 mod rpc;
+mod sampling;
 mod stress;
 mod support;
 mod tokenizer;

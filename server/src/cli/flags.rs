@@ -297,6 +297,11 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
+        name: "STRATA_SAMPLER_ARGMAX",
+        help: "0 = every token goes through llama.cpp's sampler chain; 1 (default) = where a request's sampling settings make the chain pick the highest logit (top-k 1 or temperature <= 0, with penalties, DRY, XTC, typical-p, top-n-sigma, grammars, the reasoning budget and mirostat off), a scan of the logits picks it, and the chain runs when that token is tied or biased",
+        effect: Effect::Active,
+    },
+    EnvVar {
         name: "STRATA_STEP_TRACE",
         help: "write the host's time around decode steps to FILE: the llama_decode call, the wait for the device, the host's own time between steps with the sampler's and the expert tiers' bookkeeping's shares (diagnostics: one JSON line of medians and means per 256 steps)",
         effect: Effect::Active,

@@ -28,6 +28,7 @@ pub(super) struct Engine<'m> {
     pub(super) batch: Batch,
     pub(super) n_ctx_slot: usize,
     pub(super) n_predict_default: i32,
+    pub(super) sampler_argmax: bool,
     pub(super) ctx_shift: bool,
     pub(super) pending: VecDeque<Task>,
     pub(super) slot_actions: VecDeque<(SlotAction, oneshot::Sender<Result<Value, ApiError>>)>,
@@ -148,6 +149,7 @@ impl<'m> Engine<'m> {
             batch,
             n_ctx_slot,
             n_predict_default: cfg.n_predict_default,
+            sampler_argmax: cfg.sampler_argmax,
             ctx_shift,
             pending: VecDeque::new(),
             slot_actions: VecDeque::new(),
@@ -299,6 +301,8 @@ pub struct EngineConfig {
     pub use_mmap: bool,
     /// --main-gpu: the GPU that holds the hot expert tier.
     pub main_gpu: usize,
+    /// STRATA_SAMPLER_ARGMAX (default on): greedy sampling answers from a scan of the logits.
+    pub sampler_argmax: bool,
 }
 
 /// What the engine publishes for handlers.

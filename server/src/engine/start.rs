@@ -32,7 +32,12 @@ impl<'m> Engine<'m> {
         }
         let model = self.ctx.model();
         let sampler = match Sampler::new(model, Some(self.params), &task.params.sampling) {
-            Ok(s) => s,
+            Ok(mut s) => {
+                if !self.sampler_argmax {
+                    s.set_argmax(false);
+                }
+                s
+            }
             Err(e) => {
                 let msg = format!("Failed to initialize samplers: {e}");
                 let _ = task.events.send(Event::Error(ApiError::invalid(msg)));
