@@ -44,7 +44,8 @@ struct strata_sampler {
     common_sampler *       smpl = nullptr;
     // The chain picks the first token of highest logit whenever that token is unique: a scan of
     // the logits answers instead of the chain (see sampler_is_argmax).
-    bool                          argmax = false;
+    bool                          argmax_ok = false;  // the settings allow it
+    bool                          argmax    = false;  // in use
     std::vector<llama_logit_bias> bias;  // the chain's logit biases, suppressed tokens included
     llama_token                   scanned = LLAMA_TOKEN_NULL;  // the last sample, when the scan gave it
 };
@@ -902,7 +903,8 @@ strata_sampler * strata_sampler_init(const struct llama_model * model, const str
             set_err(err, "failed to initialise the sampler (invalid grammar?)");
             return nullptr;
         }
-        s->argmax = sampler_is_argmax(s->params);
+        s->argmax_ok = sampler_is_argmax(s->params);
+        s->argmax    = s->argmax_ok;
         s->bias   = s->params.logit_bias;
         int32_t             n_suppress = 0;
         const llama_token * suppress   = llama_vocab_get_suppress_tokens(llama_model_get_vocab(model), &n_suppress);
@@ -940,7 +942,7 @@ llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx
 }
 
 void strata_sampler_set_argmax(strata_sampler * s, bool enabled) {
-    s->argmax = enabled && sampler_is_argmax(s->params);
+    s->argmax = enabled && s->argmax_ok;
 }
 
 bool strata_sampler_argmax(const strata_sampler * s) {

@@ -25,6 +25,9 @@ CANNOT_THROW = {
     "strata_bytes_free": "delete of a vector holder",
     "strata_reserve_stdout": "POSIX dup/dup2",
     "strata_last_error_kind": "reads a thread-local int",
+    "strata_logits_argmax": "arithmetic and memcpy over the floats it is given",
+    "strata_sampler_set_argmax": "sets a bool",
+    "strata_sampler_argmax": "reads a bool",
 }
 
 
