@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The loops of one kernel's SASS (cuobjdump -sass -fun NAME OBJ), each with its length and its
-loads by kind, for several object files side by side: whether a patched kernel's loop is the
+loads by kind, and the kernel's resources (cuobjdump -res-usage: registers, stack, shared and
+constant bytes), for several object files side by side: whether a patched kernel's loop is the
 pristine one's (same length, same LDG.E.CONSTANT / LDG.E / generic LD mix).
 
     tools/device/sass_loops.py KERNEL pristine.o patched.o ...
@@ -28,6 +29,11 @@ def instructions(obj: str, kernel: str) -> list[tuple[int, str]]:
     return parse(subprocess.run(["cuobjdump", "-sass", "-fun", kernel, obj], capture_output=True, text=True, check=True).stdout)
 
 
+def resources(obj: str, kernel: str) -> str:
+    out = subprocess.run(["cuobjdump", "-res-usage", obj], capture_output=True, text=True, check=True).stdout.splitlines()
+    return next((out[i + 1].strip() for i, line in enumerate(out[:-1]) if line.strip() == f"Function {kernel}:"), "?")
+
+
 def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int, dict[str, int]]]:
     at = {a: i for i, (a, _) in enumerate(ins)}
     out = []
@@ -52,7 +58,7 @@ def main(argv: list[str]) -> int:
     print(f"kernel {kernel}")
     for obj in objs:
         ins = instructions(obj, kernel)
-        print(f"{obj}: {len(ins)} instructions")
+        print(f"{obj}: {len(ins)} instructions, {resources(obj, kernel)}")
         for start, n, loads in loops(ins):
             print(f"  loop at {start:#06x}: {n:4d} instructions, loads {loads}")
     return 0
