@@ -1,5 +1,6 @@
 """What the Python tools and tests share: a free loopback port, waiting for a server's /health,
-stopping it, JSON requests, strata-server's /metrics samples and its step trace.
+stopping it, JSON requests, strata-server's /metrics samples and its step trace, and the arms of
+a tools/device/decodediag directory.
 
 Scripts under tools/ put tools/ on sys.path (`sys.path.insert(0, str(TOOLS))`) and import this.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -83,3 +85,31 @@ def step_trace_medians(path) -> dict | None:
     last = lines[-1]
     parts = {"call": "launch_us", "wait": "wait_us", "between": "host_us", "sampler": "sample_us", "tiers": "tiers_us"}
     return {"steps": last.get("steps")} | {k: (last.get(v) or {}).get("median") for k, v in parts.items()}
+
+
+def decodediag_arms(out) -> list[dict]:
+    """The arms of a tools/device/decodediag output directory, in arms.json's order: "arm",
+    "command" (its argv), "step_us" (step_trace_medians of its trace, None without one) and either
+    "error" (no result) or "decode_tps" (each run's), "median", "vs_first" (the median over the
+    first arm's with a result) and "graphs_reused"; [] without arms.json."""
+    from pathlib import Path
+
+    out = Path(out)
+    try:
+        arms = json.loads((out / "arms.json").read_text())
+    except OSError:
+        return []
+    res: list[dict] = []
+    first = None
+    for name, command in arms.items():
+        entry: dict = {"arm": name, "command": command, "step_us": step_trace_medians(out / f"{name}.steps.jsonl")}
+        try:
+            r = json.loads((out / f"{name}.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            res.append(entry | {"error": f"no result: {e}"})
+            continue
+        tps = [x["predicted_per_second"] for x in r["runs"]]
+        med = statistics.median(tps)
+        first = first or med
+        res.append(entry | {"decode_tps": tps, "median": med, "vs_first": med / first, "graphs_reused": r.get("graphs_reused")})
+    return res
