@@ -108,6 +108,10 @@ void strata_string_free(char * s) {
 }
 
 void strata_stdio_flush(void) {
+    try {
+        common_log_flush(common_log_main());
+    } catch (...) {
+    }
     std::fflush(nullptr);
 }
 
@@ -335,11 +339,105 @@ static char * params_json(const strata_params * p) {
     j["models_autoload"] = c.models_autoload;
     j["ui_config_json"]  = c.ui_config_json;
     j["hf_token"]        = c.hf_token;
+    // HTTP: TLS, sockets, SSE keep-alive
+    j["ssl_file_key"]      = c.ssl_file_key;
+    j["ssl_file_cert"]     = c.ssl_file_cert;
+    j["reuse_port"]        = c.reuse_port;
+    j["sse_ping_interval"] = c.sse_ping_interval;
+    // multimodal input, which strata-server refuses at start-up
+    j["mmproj"]                      = c.mmproj.path;
+    j["mmproj_url"]                  = c.mmproj.url;
+    // the projector's device follows -dev (-dev none turns its offload off) unless -mmdev names another
+    j["mmproj_use_gpu"]              = c.mmproj_use_gpu || (!c.devices.empty() && c.devices.front() == nullptr && c.mmproj_device == nullptr);
+    j["mmproj_device"]               = c.mmproj_device != nullptr && (c.devices.empty() || c.devices.front() != c.mmproj_device)
+                                           ? ggml_backend_dev_name(c.mmproj_device) : "";
+    j["image_min_tokens"]            = c.image_min_tokens;
+    j["image_max_tokens"]            = c.image_max_tokens;
+    j["mtmd_batch_max_tokens"]       = c.mtmd_batch_max_tokens;
+    j["video_fps"]                   = c.video_fps;
+    j["video_timestamp_interval_ms"] = c.video_timestamp_interval_ms;
+    j["video_ffmpeg_bin_dir"]        = c.video_ffmpeg_bin_dir;
+    j["media_path"]                  = c.media_path;
     return dup_string(j.dump());
 }
 
 char * strata_params_json(const strata_params * p, char ** err) {
     return guarded<char *>(err, nullptr, [&]() { return params_json(p); });
+}
+
+// What llama.cpp gets from the parsed options: the model and context parameters of the target
+// and of the draft (as common_base_params_to_speculative makes them), for tests that check an
+// option reaches them.
+static json model_params_view(const llama_model_params & m) {
+    // null: every device; [] (-dev none): none
+    json devices = m.devices == nullptr ? json(nullptr) : json::array();
+    for (auto * d = m.devices; d != nullptr && *d != nullptr; ++d) {
+        devices.push_back(ggml_backend_dev_name(*d));
+    }
+    json overrides = json::array();
+    for (auto * o = m.tensor_buft_overrides; o != nullptr && o->pattern != nullptr; ++o) {
+        overrides.push_back(std::string(o->pattern) + "=" + (o->buft ? ggml_backend_buft_name(o->buft) : "?"));
+    }
+    json kv = json::array();
+    for (auto * o = m.kv_overrides; o != nullptr && o->key[0] != 0; ++o) {
+        kv.push_back(o->key);
+    }
+    json split = json::array();
+    for (size_t i = 0; m.tensor_split != nullptr && i < llama_max_devices(); ++i) {
+        split.push_back(m.tensor_split[i]);
+    }
+    return {
+        {"devices", devices}, {"tensor_buft_overrides", overrides}, {"n_gpu_layers", m.n_gpu_layers},
+        {"split_mode", (int) m.split_mode}, {"load_mode", (int) m.load_mode}, {"lazy_mode", (int) m.lazy_mode},
+        {"main_gpu", m.main_gpu}, {"tensor_split", split}, {"kv_overrides", kv}, {"vocab_only", m.vocab_only},
+        {"check_tensors", m.check_tensors}, {"use_extra_bufts", m.use_extra_bufts}, {"no_host", m.no_host},
+        {"no_alloc", m.no_alloc}, {"load_mtp", m.load_mtp},
+    };
+}
+
+static json context_params_view(const llama_context_params & c) {
+    return {
+        {"n_ctx", c.n_ctx}, {"n_batch", c.n_batch}, {"n_ubatch", c.n_ubatch}, {"n_seq_max", c.n_seq_max},
+        {"n_rs_seq", c.n_rs_seq}, {"n_outputs_max", c.n_outputs_max}, {"n_outputs_max_per_seq", c.n_outputs_max_per_seq},
+        {"n_threads", c.n_threads}, {"n_threads_batch", c.n_threads_batch}, {"ctx_type", (int) c.ctx_type},
+        {"rope_scaling_type", (int) c.rope_scaling_type}, {"pooling_type", (int) c.pooling_type},
+        {"attention_type", (int) c.attention_type}, {"flash_attn_type", (int) c.flash_attn_type},
+        {"rope_freq_base", c.rope_freq_base}, {"rope_freq_scale", c.rope_freq_scale},
+        {"yarn_ext_factor", c.yarn_ext_factor}, {"yarn_attn_factor", c.yarn_attn_factor},
+        {"yarn_beta_fast", c.yarn_beta_fast}, {"yarn_beta_slow", c.yarn_beta_slow}, {"yarn_orig_ctx", c.yarn_orig_ctx},
+        {"type_k", ggml_type_name(c.type_k)}, {"type_v", ggml_type_name(c.type_v)}, {"embeddings", c.embeddings},
+        {"offload_kqv", c.offload_kqv}, {"no_perf", c.no_perf}, {"op_offload", c.op_offload},
+        {"swa_full", c.swa_full}, {"kv_unified", c.kv_unified},
+    };
+}
+
+char * strata_params_llama_json(strata_params * p, char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        common_params draft = common_base_params_to_speculative(p->params);
+        json j = {
+            {"model", model_params_view(common_model_params_to_llama(p->params))},
+            {"context", context_params_view(common_context_params_to_llama(p->params))},
+            {"draft_model", model_params_view(common_model_params_to_llama(draft))},
+            {"draft_context", context_params_view(common_context_params_to_llama(draft))},
+        };
+        return dup_string(j.dump());
+    });
+}
+
+void strata_params_print_info(const strata_params * p, bool print_devices) {
+    try {
+        common_params_print_info(p->params, print_devices);
+    } catch (...) {
+    }
+}
+
+// The parameters before any option: llama-server's defaults for comparing the parsed ones.
+char * strata_params_default_json(char ** err) {
+    return guarded<char *>(err, nullptr, [&]() {
+        strata_params p;
+        common_params_parser_init(p.params, LLAMA_EXAMPLE_SERVER);
+        return params_json(&p);
+    });
 }
 
 struct llama_model_params strata_params_model(strata_params * p, char ** err) {

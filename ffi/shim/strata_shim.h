@@ -63,6 +63,12 @@ char * strata_params_json(const strata_params * p, char ** err);
 
 struct llama_model_params   strata_params_model(strata_params * p, char ** err);
 struct llama_context_params strata_params_context(const strata_params * p, char ** err);
+// The model and context parameters of the target and of the draft as JSON (for tests).
+char * strata_params_llama_json(strata_params * p, char ** err);
+// llama-server's start-up lines about the build, the log's verbosity and (print_devices) the devices.
+void strata_params_print_info(const strata_params * p, bool print_devices);
+// llama-server's parameters before any option, as strata_params_json writes them.
+char * strata_params_default_json(char ** err);
 
 // llama_backend_init() and llama_numa_init(params.numa), as llama-server's main does.
 bool strata_backend_init(const strata_params * p, char ** err);

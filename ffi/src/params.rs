@@ -62,6 +62,32 @@ impl ServerParams {
         Ok(serde_json::from_str(&s)?)
     }
 
+    /// The llama.cpp model and context parameters these options make, for the target and for
+    /// the draft (`model`, `context`, `draft_model`, `draft_context`).
+    pub fn llama_params_json(&mut self) -> Result<serde_json::Value> {
+        let s = shim_string::call(|err| {
+            // SAFETY: valid, exclusively borrowed handle; the returned string is owned by us.
+            shim_string::take(unsafe { sys::strata_params_llama_json(self.as_mut_ptr(), err) })
+        })?;
+        Ok(serde_json::from_str(&s)?)
+    }
+
+    /// llama-server's start-up lines about the build and the log's verbosity; the devices too
+    /// where `devices` (a router owns none).
+    pub fn print_info(&self, devices: bool) {
+        // SAFETY: valid handle; the call only reads it and logs.
+        unsafe { sys::strata_params_print_info(self.as_ptr(), devices) }
+    }
+
+    /// llama-server's parameters before any option, in [`Self::to_json`]'s shape.
+    pub fn defaults_json() -> Result<serde_json::Value> {
+        let s = shim_string::call(|err| {
+            // SAFETY: no arguments; the returned string is owned by us.
+            shim_string::take(unsafe { sys::strata_params_default_json(err) })
+        })?;
+        Ok(serde_json::from_str(&s)?)
+    }
+
     pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {
         let mut err = std::ptr::null_mut();
         // SAFETY: valid handle; the returned struct may point into common_params (tensor

@@ -28,3 +28,13 @@ pub fn info(msg: &str) {
 pub fn warn(msg: &str) {
     line(Verbosity::Warn, msg);
 }
+
+/// An error already logged in llama-server's lines: start-up ends with status 1, saying no more.
+#[derive(Debug, thiserror::Error)]
+#[error("start-up failed")]
+pub struct Logged;
+
+/// llama-server's line on every exit once the HTTP server is set up.
+pub fn cleaning_up() {
+    srv(Verbosity::Info, "operator()", "operator(): cleaning up before exit...");
+}

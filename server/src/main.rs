@@ -18,7 +18,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
-use strata_ffi::{ParseOutcome, ServerParams};
+use strata_ffi::{ParseOutcome, ServerParams, Verbosity};
 
 extern "C" fn print_strata_usage(_argc: c_int, _argv: *mut *mut c_char) {
     strata_ffi::flush_c_stdio();
@@ -28,8 +28,20 @@ extern "C" fn print_strata_usage(_argc: c_int, _argv: *mut *mut c_char) {
 }
 
 fn main() -> ExitCode {
+    let code = run();
+    // the log's worker writes asynchronously: what start-up said must be out before the exit
+    strata_ffi::flush_c_stdio();
+    code
+}
+
+fn run() -> ExitCode {
+    if let Err(e) = strata_ffi::common_init() {
+        eprintln!("error: {e}");
+        return ExitCode::from(1);
+    }
     let child = router::ChildLink::from_env();
     let args: Vec<String> = std::env::args().collect();
+    // a bad value of one of Strata's flags reads as llama.cpp's parser's own errors do
     let (strata_args, llama_args) = match flags::split(&args) {
         Ok(split) => split,
         Err(msg) => {
@@ -39,10 +51,7 @@ fn main() -> ExitCode {
     };
     let experts = match experts::ExpertConfig::from_args(&strata_args) {
         Ok(c) => c,
-        Err(msg) => {
-            eprintln!("{msg}");
-            return ExitCode::from(1);
-        }
+        Err(msg) => return fatal(&msg),
     };
     let mut parse_args = llama_args.clone();
     if let Some(c) = &experts {
@@ -53,22 +62,12 @@ fn main() -> ExitCode {
     }
     let ple = match ple::config(&strata_args, std::env::var("STRATA_IO_THREADS").ok().as_deref()) {
         Ok(p) => p,
-        Err(msg) => {
-            eprintln!("{msg}");
-            return ExitCode::from(1);
-        }
+        Err(msg) => return fatal(&msg),
     };
     let gemm = match gemm::config(|v| std::env::var(v).ok()) {
         Ok(g) => g,
-        Err(msg) => {
-            eprintln!("{msg}");
-            return ExitCode::from(1);
-        }
+        Err(msg) => return fatal(&msg),
     };
-    if let Err(e) = strata_ffi::common_init() {
-        eprintln!("strata-server: error: {e}");
-        return ExitCode::from(1);
-    }
     let mut params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
         Ok(ParseOutcome::Parsed(p)) => p,
         Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
@@ -77,25 +76,55 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if let Err(code) = refuse_options(&params) {
+        return code;
+    }
     if let Some(link) = child.as_ref().filter(|l| l.mode == router::ChildMode::Download) {
         return router::run_download(link, params);
     }
+    log::srv(Verbosity::Info, "llama_server", "initializing ...");
     if params.to_json().is_ok_and(|cfg| !router::is_router(&cfg)) {
         if let Err(e) = strata_ffi::resolve_models(&mut params) {
-            eprintln!("strata-server: error: failed to download model: {e}");
-            return ExitCode::from(1);
+            return fatal(&format!("failed to download model: {e}"));
         }
     }
     if let Err(e) = params.apply_server_defaults() {
-        eprintln!("strata-server: error: {e}");
-        return ExitCode::from(1);
+        return fatal(&e.to_string());
+    }
+    // again after the download: -hf may have brought a multimodal projector
+    if let Err(code) = refuse_options(&params) {
+        return code;
     }
     match serve(params, strata_args, experts, ple, gemm, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("strata-server: error: {e:#}");
+            if e.downcast_ref::<log::Logged>().is_none() {
+                log::srv(Verbosity::Error, "llama_server", &format!("{e:#}"));
+            }
             ExitCode::from(1)
         }
+    }
+}
+
+/// A start-up error, as llama-server logs its own: an error line, exit status 1.
+fn fatal(msg: &str) -> ExitCode {
+    log::srv(Verbosity::Error, "llama_server", msg);
+    ExitCode::from(1)
+}
+
+/// Stops start-up, naming each, where the options ask for what strata-server does not do.
+fn refuse_options(params: &ServerParams) -> Result<(), ExitCode> {
+    let refused = match (params.to_json(), ServerParams::defaults_json()) {
+        (Ok(cfg), Ok(defaults)) => cli::upstream::refusals(&cfg, &defaults),
+        (Err(e), _) | (_, Err(e)) => vec![e.to_string()],
+    };
+    for r in &refused {
+        log::srv(Verbosity::Error, "llama_server", r);
+    }
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(ExitCode::from(1))
     }
 }
 
@@ -109,7 +138,7 @@ fn serve(
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
     for w in flags::warnings(&strata, experts.is_some(), |v| std::env::var_os(v).is_some()) {
-        eprintln!("strata: warning: {w}");
+        log::srv(Verbosity::Warn, "llama_server", &w);
     }
     let max_queued = strata.max_queued;
     let sampler_argmax = match std::env::var("STRATA_SAMPLER_ARGMAX").as_deref().map(str::trim) {
@@ -124,7 +153,9 @@ fn serve(
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
     let gcp = api::gcp::Gcp::from_env();
     let port = gcp.as_ref().and_then(|g| g.port).map_or(conf.port, i64::from);
-    if router::is_router(&cfg) {
+    let is_router = router::is_router(&cfg);
+    params.print_info(!is_router);
+    if is_router {
         return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
     }
     let model_alias = conf.alias();
@@ -135,15 +166,27 @@ fn serve(
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
     }
 
-    let tools = agent::tools::Tools::from_params(&cfg).context("tools setup failed")?;
     let info = api::info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
+    api::listen::check_hosts(&hosts, port)?;
+    if info.cors_origins == "*" && info.api_keys.is_empty() {
+        log::srv(
+            Verbosity::Warn,
+            "llama_server",
+            "security: no API key is set and CORS allows all origins (see https://github.com/ggml-org/llama.cpp/pull/25655)",
+        );
+    }
+    let tools = agent::tools::Tools::from_params(&cfg).context("tools setup failed")?;
     api::ui::check(&info)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let http = match api::listen::Http::from_params(&cfg, n_parallel) {
+        Ok(h) => h,
+        Err(e) => return Err(api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
+    };
+    let rt = http.runtime()?;
     rt.block_on(async move {
-        let mut listeners = Vec::new();
-        for host in &hosts {
-            listeners.push(api::listen::Listener::bind(host, port as u16).await?);
-        }
+        let listeners = match api::listen::bind_all(&hosts, port, &http).await {
+            Ok(l) => l,
+            Err(e) => return Err(api::listen::failed(Some(&format!("{:#}", e.error)), &e.host, port)),
+        };
         let engine = engine::spawn(engine::EngineConfig {
             params,
             model_path: conf.model.clone(),
@@ -170,14 +213,14 @@ fn serve(
             n_cache_reuse: conf.n_cache_reuse,
             lora: conf.lora_adapters.iter().map(|a| (a.path.clone(), a.scale)).collect(),
         });
-        for l in &listeners {
-            crate::log::info(&format!("main: server is listening on {}", l.describe()?));
-        }
+        let addresses = listeners.iter().map(|l| l.describe(http.tls.is_some())).collect::<Result<Vec<_>>>()?;
         let mut state = engine.state_watch();
-        let load_failed = async move {
+        let loaded = async move {
             loop {
-                if let engine::State::Failed(msg) = state.borrow_and_update().clone() {
-                    return msg;
+                match state.borrow_and_update().clone() {
+                    engine::State::Failed(msg) => return Err(msg),
+                    engine::State::Ready => return Ok(()),
+                    engine::State::Loading => {}
                 }
                 if state.changed().await.is_err() {
                     std::future::pending::<()>().await;
@@ -190,17 +233,40 @@ fn serve(
         }
         let app = api::router_with(engine, info, gcp.as_ref(), agent.routes);
         for l in listeners {
-            tokio::spawn(api::listen::accept_loop(l, app.clone(), api::listen::read_timeout(&cfg)));
+            tokio::spawn(api::listen::accept_loop(l, app.clone(), http.clone()));
         }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let stop = async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        };
+        tokio::pin!(stop);
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {
-                agent.mcp.close_all().await;
-                Ok(())
-            }
-            msg = load_failed => {
-                eprintln!("main: {msg}");
-                anyhow::bail!("exiting due to model loading error");
-            }
+            _ = &mut stop => {}
+            r = loaded => match r {
+                Ok(()) => {
+                    log::srv(Verbosity::Info, "llama_server", "model loaded");
+                    for a in &addresses {
+                        log::srv(Verbosity::Info, "llama_server", &format!("listening on {a}"));
+                    }
+                    if addresses.iter().any(|a| a.ends_with(":8080")) {
+                        log::srv(Verbosity::Warn, "llama_server", "notice: server default port will be changed to :9931 in a future release (ref: https://github.com/ggml-org/llama.cpp/pull/26508)");
+                    }
+                    stop.await;
+                }
+                Err(msg) => {
+                    log::srv(Verbosity::Error, "load_model", &msg);
+                    log::cleaning_up();
+                    agent.mcp.close_all().await;
+                    log::srv(Verbosity::Error, "llama_server", "exiting due to model loading error");
+                    return Err(log::Logged.into());
+                }
+            },
         }
+        log::cleaning_up();
+        agent.mcp.close_all().await;
+        Ok(())
     })
 }

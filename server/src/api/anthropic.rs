@@ -14,7 +14,7 @@ use crate::api::chat::{chat_prompt, fill_tool_call_ids};
 use crate::api::error::ApiError;
 use crate::api::render::collect_values;
 use crate::api::render::random_string;
-use crate::api::sse::{stream_response, Sse};
+use crate::api::sse::{ping_interval, stream_response, Sse};
 use crate::engine::generation::StopType;
 use crate::engine::{Event, Final};
 
@@ -365,7 +365,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
             }
             out
         };
-        return stream_response(rx, 1, render, Sse::Anthropic).await;
+        return stream_response(rx, 1, render, Sse::Anthropic, ping_interval(app.info.sse_ping_interval, &body)).await;
     }
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };

@@ -36,6 +36,8 @@ pub struct ServerInfo {
     pub n_keep: i64,
     pub n_batch: usize,
     pub n_predict: i64,
+    /// --sse-ping-interval: seconds a stream may stay silent before a keep-alive comment.
+    pub sse_ping_interval: i32,
     /// --embeddings: the embedding routes answer (and --pooling / --embd-normalize for them).
     pub embedding: bool,
     pub pooling_type: i64,
@@ -95,6 +97,7 @@ impl ServerInfo {
             n_keep: cfg["n_keep"].as_i64().unwrap_or(0),
             n_batch: cfg["n_batch"].as_u64().unwrap_or(2048) as usize,
             n_predict: cfg["n_predict"].as_i64().unwrap_or(-1),
+            sse_ping_interval: cfg["sse_ping_interval"].as_i64().unwrap_or(30) as i32,
             spm_infill: b("spm_infill"),
             verbose: cfg["verbosity"].as_i64().unwrap_or(0) > 9,
             ui_mcp_proxy: b("ui_mcp_proxy"),

@@ -18,6 +18,7 @@ pub mod request;
 pub mod responses;
 pub mod sse;
 pub mod streams;
+pub mod tls;
 pub mod ui;
 pub mod values;
 
@@ -94,9 +95,10 @@ pub fn router_with(engine: EngineHandle, info: ServerInfo, gcp: Option<&gcp::Gcp
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .layer(axum::middleware::from_fn(buffer_body))
         .layer(axum::middleware::from_fn_with_state(ui::Ui::new(&app.info), ui::serve))
         .layer(axum::middleware::from_fn_with_state(Gate { info: app.info.clone(), engine: Some(app.engine.clone()) }, gate))
+        // the body is read before the gate answers, so that a refused request leaves the connection usable
+        .layer(axum::middleware::from_fn(buffer_body))
         .layer(axum::middleware::map_response(server_header))
 }
 

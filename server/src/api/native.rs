@@ -5,7 +5,7 @@ use super::app::{loaded_model, App};
 use super::body::{flag, parse_body, parse_json, piece, task_params, tokenize_mixed, tokenize_prompts};
 use super::render::{collect, final_json_with_probs, partial_json, select_fields};
 use super::request;
-use super::sse::{stream_response, Sse};
+use super::sse::{ping_interval, stream_response, Sse};
 use crate::api::error::{ApiError, ErrorType};
 use crate::api::info::{self};
 use crate::api::values;
@@ -92,7 +92,7 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
         Event::Error(e) => vec![e.body()],
     };
     if stream {
-        return stream_response(rx, n, render, Sse::Plain).await;
+        return stream_response(rx, n, render, Sse::Plain, ping_interval(app.info.sse_ping_interval, body)).await;
     }
     collect(rx, n, render).await
 }

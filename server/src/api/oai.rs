@@ -14,7 +14,7 @@ use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, task_params, tokenize_prompts};
 use crate::api::error::ApiError;
 use crate::api::render::{add_progress, collect_values, final_json, probs_json, timings_json};
-use crate::api::sse::{stream_response, Sse};
+use crate::api::sse::{ping_interval, stream_response, Sse};
 use crate::api::values;
 use crate::engine::generation::StopType;
 use crate::engine::{Event, Final};
@@ -101,7 +101,7 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
         }
     };
     if params.stream {
-        return stream_response(rx, n, render, Sse::OpenAi).await;
+        return stream_response(rx, n, render, Sse::OpenAi, ping_interval(app.info.sse_ping_interval, &body)).await;
     }
     // several answers become the choices of the first, as llama-server merges them
     let mut results = collect_values(rx, n, render).await?.into_iter();
@@ -225,7 +225,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
                 Event::Error(e) => vec![e.body()],
             }
         };
-        return stream_response(rx, n_choices, render, Sse::OpenAi).await;
+        return stream_response(rx, n_choices, render, Sse::OpenAi, ping_interval(app.info.sse_ping_interval, &chat.task_body)).await;
     }
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };

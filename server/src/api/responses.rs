@@ -15,7 +15,7 @@ use crate::api::chat::{chat_prompt, fill_tool_call_ids};
 use crate::api::error::ApiError;
 use crate::api::render::{add_progress, collect_values, timings_json};
 use crate::api::render::{now, random_string};
-use crate::api::sse::{stream_response, Sse};
+use crate::api::sse::{ping_interval, stream_response, Sse};
 use crate::engine::{Event, Final, Partial};
 
 fn str_of<'a>(v: &'a Value, key: &str) -> Option<&'a str> {
@@ -457,7 +457,7 @@ pub async fn responses(AxState(app): AxState<App>, body: Bytes) -> Result<Respon
                 Event::Begin | Event::Error(_) | Event::Embedding(_) => Vec::new(),
             }
         };
-        return stream_response(rx, 1, render, Sse::Responses).await;
+        return stream_response(rx, 1, render, Sse::Responses, ping_interval(app.info.sse_ping_interval, &body)).await;
     }
     let render = move |ev: &Event| -> Vec<Value> {
         let Event::Final(f) = ev else { return Vec::new() };

@@ -5,7 +5,9 @@ use crate::engine::Event;
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::response::Response;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use std::future::Future as _;
+use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
@@ -29,11 +31,24 @@ pub fn sse_write(out: &mut String, style: Sse, v: &Value) {
     }
 }
 
+/// The keep-alive of a stream: `--sse-ping-interval`, or the request's `sse_ping_interval`;
+/// none at 0 or below.
+pub fn ping_interval(server_default: i32, body: &Map<String, Value>) -> Option<Duration> {
+    let secs = body.get("sse_ping_interval").and_then(Value::as_i64).unwrap_or(server_default.into());
+    (secs > 0).then(|| Duration::from_secs(secs as u64))
+}
+
+/// An SSE comment: clients and proxies that drop a silent connection see bytes.
+const PING: &str = ":\n\n";
+
+/// `ping`: after the first event, a stream that stays silent that long sends [`PING`], and
+/// again after each further such wait, as llama-server's streams do.
 pub async fn stream_response(
     mut rx: mpsc::UnboundedReceiver<Event>,
     n_tasks: usize,
     mut render: impl FnMut(&Event) -> Vec<Value> + Send + 'static,
     style: Sse,
+    ping: Option<Duration>,
 ) -> Result<Response, ApiError> {
     let first = rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))?;
     if let Event::Error(e) = first {
@@ -42,6 +57,7 @@ pub async fn stream_response(
     let mut remaining = n_tasks;
     let mut next = Some(first);
     let mut finished = false;
+    let mut silence = ping.map(|d| Box::pin(tokio::time::sleep(d)));
     let body = futures_util::stream::poll_fn(move |cx| {
         if finished {
             return std::task::Poll::Ready(None);
@@ -49,11 +65,22 @@ pub async fn stream_response(
         let ev = match next.take() {
             Some(ev) => ev,
             None => match rx.poll_recv(cx) {
-                std::task::Poll::Pending => return std::task::Poll::Pending,
+                std::task::Poll::Pending => {
+                    if let (Some(timer), Some(d)) = (silence.as_mut(), ping) {
+                        if timer.as_mut().poll(cx).is_ready() {
+                            timer.as_mut().reset(tokio::time::Instant::now() + d);
+                            return std::task::Poll::Ready(Some(Ok(Bytes::from_static(PING.as_bytes()))));
+                        }
+                    }
+                    return std::task::Poll::Pending;
+                }
                 std::task::Poll::Ready(None) => return std::task::Poll::Ready(None),
                 std::task::Poll::Ready(Some(ev)) => ev,
             },
         };
+        if let (Some(timer), Some(d)) = (silence.as_mut(), ping) {
+            timer.as_mut().reset(tokio::time::Instant::now() + d);
+        }
         let mut out = String::new();
         match &ev {
             Event::Error(e) => {

@@ -128,19 +128,24 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
     crate::log::warn("srv router: security: router mode enabled - do not expose to untrusted environments");
 
     let tools = crate::agent::tools::Tools::from_params(cfg).context("tools setup failed")?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    crate::api::listen::check_hosts(&hosts, port)?;
+    let http = match crate::api::listen::Http::from_params(cfg, 0) {
+        Ok(h) => h,
+        Err(e) => return Err(crate::api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
+    };
+    let rt = http.runtime()?;
     rt.block_on(async move {
         let agent = crate::agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
         let models = Models::new(router_cfg).await.context("failed to initialize router models")?;
-        let mut listeners = Vec::new();
-        for host in &hosts {
-            listeners.push(crate::api::listen::Listener::bind(host, port as u16).await?);
-        }
+        let listeners = match crate::api::listen::bind_all(&hosts, port, &http).await {
+            Ok(l) => l,
+            Err(e) => return Err(crate::api::listen::failed(Some(&format!("{:#}", e.error)), &e.host, port)),
+        };
         let app = routes(RouterApp { models: models.clone(), props: Arc::new(props), convs: Arc::default() }, info, agent.routes);
         crate::log::info("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
-            crate::log::info(&format!("main: server is listening on {}", l.describe()?));
-            tokio::spawn(crate::api::listen::accept_loop(l, app.clone(), crate::api::listen::read_timeout(cfg)));
+            crate::log::info(&format!("main: server is listening on {}", l.describe(http.tls.is_some())?));
+            tokio::spawn(crate::api::listen::accept_loop(l, app.clone(), http.clone()));
         }
         tokio::spawn({
             let models = models.clone();
