@@ -8,6 +8,7 @@ mod default_model;
 mod engine;
 mod experts;
 mod fetch;
+mod flags;
 mod gemm;
 mod gemma;
 mod hooks;
