@@ -419,6 +419,8 @@ char * strata_params_llama_json(strata_params * p, char ** err) {
             {"context", context_params_view(common_context_params_to_llama(p->params))},
             {"draft_model", model_params_view(common_model_params_to_llama(draft))},
             {"draft_context", context_params_view(common_context_params_to_llama(draft))},
+            // what strata_backend_init hands llama_numa_init
+            {"backend", {{"numa", (int) p->params.numa}}},
         };
         return dup_string(j.dump());
     });

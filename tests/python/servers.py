@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from strata_tools import NotReady, free_port, wait_healthy  # noqa: E402
+from strata_tools import NotReady, free_port, stop, wait_healthy  # noqa: E402,F401
 
 
 def start(binary: Path, args: list[str], stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:

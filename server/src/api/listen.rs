@@ -54,7 +54,9 @@ impl Http {
         if let Some(n) = self.threads {
             b.worker_threads(n);
         }
-        b.enable_all().build()
+        let rt = b.enable_all().build()?;
+        crate::log::srv(strata_ffi::Verbosity::Trace, "init", &format!("using {} threads for HTTP server", rt.metrics().num_workers()));
+        Ok(rt)
     }
 }
 
@@ -169,19 +171,27 @@ where
     let http = http.clone();
     tokio::spawn(async move {
         let _permit = permit;
-        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
-        stream.set_write_timeout(Some(http.write_timeout));
-        let stream = Box::pin(stream);
-        match &http.tls {
-            None => serve_http(stream, app, http.read_timeout).await,
-            Some(tls) => {
-                // a client speaking plain HTTP here fails the handshake and is closed unanswered, as with OpenSSL
-                if let Ok(Ok(s)) = tokio::time::timeout(http.read_timeout, tls.accept(stream)).await {
-                    serve_http(s, app, http.read_timeout).await;
-                }
+        connection(stream, app, &http).await;
+    });
+}
+
+/// One client connection, served until it ends or a timeout drops it.
+async fn connection<S>(stream: S, app: axum::Router, http: &Http)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+    stream.set_write_timeout(Some(http.write_timeout));
+    let stream = Box::pin(stream);
+    match &http.tls {
+        None => serve_http(stream, app, http.read_timeout).await,
+        Some(tls) => {
+            // a client speaking plain HTTP here fails the handshake and is closed unanswered, as with OpenSSL
+            if let Ok(Ok(s)) = tokio::time::timeout(http.read_timeout, tls.accept(stream)).await {
+                serve_http(s, app, http.read_timeout).await;
             }
         }
-    });
+    }
 }
 
 async fn serve_http<S>(stream: S, app: axum::Router, read_timeout: Duration)
@@ -196,4 +206,39 @@ where
         .header_read_timeout(read_timeout)
         .serve_connection(io, svc)
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt as _;
+
+    fn http(write_timeout: Duration) -> Http {
+        Http {
+            read_timeout: Duration::from_secs(60),
+            write_timeout,
+            reuse_port: false,
+            threads: None,
+            connections: Arc::new(tokio::sync::Semaphore::new(1)),
+            tls: None,
+        }
+    }
+
+    /// A client that asks for a large answer and stops reading: the connection ends after the
+    /// write timeout, and not before (the same client with a long timeout is still connected).
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_dropped_after_the_write_timeout() {
+        let app = axum::Router::new().route("/big", axum::routing::get(|| async { "x".repeat(1 << 20) }));
+        let mut ends = Vec::new();
+        for timeout in [Duration::from_millis(300), Duration::from_secs(60)] {
+            let (mut client, server) = tokio::io::duplex(4096);
+            let http = http(timeout);
+            let app = app.clone();
+            let served = tokio::spawn(async move { connection(server, app, &http).await });
+            client.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+            ends.push(tokio::time::timeout(Duration::from_secs(3), served).await.is_ok());
+            drop(client);
+        }
+        assert_eq!(ends, [true, false], "dropped with a 300 ms write timeout, still connected with 60 s");
+    }
 }

@@ -23,7 +23,8 @@ pub enum Class {
     /// Strata does what llama-server does, shown by: `test:PATH::NAME` (a test), or
     /// `model:FIELD` / `context:FIELD` / `draft_model:FIELD` / `draft_context:FIELD` (the sample
     /// changes that field of the llama.cpp parameters strata-server loads with), or
-    /// `sampling:KEY` (the sample changes the requests' default sampling settings).
+    /// `sampling:KEY` (the sample changes the requests' default sampling settings), or
+    /// `backend:numa` (the sample changes what start-up hands llama_numa_init).
     Honoured(&'static str),
     /// Start-up stops, naming the option, when the parsed parameters' `key` differs from its
     /// default.
@@ -61,14 +62,22 @@ pub const TABLE: &[U] = &[
     U { option: "--prio-batch", class: Honoured("pending:A"), sample: &["--prio-batch", "2"] },
     U { option: "--poll-batch", class: Honoured("pending:A"), sample: &["--poll-batch", "0"] },
     U { option: "-c, --ctx-size", class: Honoured("test:tests/integration/cli.rs::llama_arg_ctx_size_env_is_honoured"), sample: &["-c", "512"] },
-    U { option: "-n, --predict, --n-predict", class: Honoured("pending:C"), sample: &["-n", "5"] },
+    U {
+        option: "-n, --predict, --n-predict",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["-n", "5"],
+    },
     U {
         option: "-b, --batch-size",
         class: Honoured("test:tests/integration/http.rs::infill_builds_upstreams_prompt_and_refuses_models_without_fim"),
         sample: &["-b", "256"],
     },
     U { option: "-ub, --ubatch-size", class: Honoured("context:n_ubatch"), sample: &["-ub", "128"] },
-    U { option: "--keep", class: Honoured("pending:C"), sample: &["--keep", "4"] },
+    U {
+        option: "--keep",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_keep_is_the_default_n_keep_of_the_context_shift"),
+        sample: &["--keep", "4"],
+    },
     U { option: "--swa-full", class: Honoured("context:swa_full"), sample: &["--swa-full"] },
     U { option: "-fa, --flash-attn", class: Honoured("context:flash_attn_type"), sample: &["-fa", "off"] },
     U { option: "--perf, --no-perf", class: Honoured("context:no_perf"), sample: &["--no-perf"] },
@@ -99,7 +108,7 @@ pub const TABLE: &[U] = &[
     },
     U { option: "-lm, --load-mode", class: Honoured("model:load_mode"), sample: &["-lm", "none"] },
     U { option: "-lzm, --lazy-mode", class: Honoured("model:lazy_mode"), sample: &["-lzm", "off"] },
-    U { option: "--numa", class: Honoured("pending:C"), sample: &["--numa", "distribute"] },
+    U { option: "--numa", class: Honoured("backend:numa"), sample: &["--numa", "distribute"] },
     U { option: "-dev, --device", class: Honoured("model:devices"), sample: &["-dev", "none"] },
     U { option: "--list-devices", class: Honoured("test:tests/integration/cli.rs::exit_options_print_what_upstream_prints"), sample: &["--list-devices"] },
     U { option: "-ot, --override-tensor", class: Honoured("model:tensor_buft_overrides"), sample: &["-ot", "blk\\.0\\.ffn_.*=CPU"] },
@@ -117,7 +126,11 @@ pub const TABLE: &[U] = &[
     U { option: "--override-kv", class: Honoured("model:kv_overrides"), sample: &["--override-kv", "tokenizer.ggml.add_bos_token=bool:false"] },
     U { option: "--op-offload, --no-op-offload", class: Honoured("context:op_offload"), sample: &["--no-op-offload"] },
     U { option: "--lora", class: Honoured("test:tests/integration/engine.rs::lora_scales_global_and_per_request"), sample: &["--lora", "a.gguf"] },
-    U { option: "--lora-scaled", class: Honoured("pending:C"), sample: &["--lora-scaled", "a.gguf:0.5"] },
+    U {
+        option: "--lora-scaled",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_lora_scaled_applies_the_adapter_at_its_scale"),
+        sample: &["--lora-scaled", "a.gguf:0.5"],
+    },
     U { option: "--control-vector", class: Honoured("pending:A"), sample: &["--control-vector", "cv.gguf"] },
     U { option: "--control-vector-scaled", class: Honoured("pending:A"), sample: &["--control-vector-scaled", "cv.gguf:0.8"] },
     U { option: "--control-vector-layer-range", class: Honoured("pending:A"), sample: &["--control-vector-layer-range", "2", "10"] },
@@ -126,11 +139,31 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/http.rs::infill_builds_upstreams_prompt_and_refuses_models_without_fim"),
         sample: &["-m", "tiny-llama-fim.gguf"],
     },
-    U { option: "-mu, --model-url", class: Honoured("pending:C"), sample: &["-m", "/tmp/x.gguf", "-mu", "http://host/x.gguf"] },
-    U { option: "-dr, --docker-repo", class: Honoured("pending:C"), sample: &["-dr", "gemma3"] },
-    U { option: "-hf, -hfr, --hf-repo", class: Honoured("pending:C"), sample: &["-hf", "ggml-org/tinygemma3-GGUF:Q8_0"] },
-    U { option: "-hff, --hf-file", class: Honoured("pending:C"), sample: &["-hf", "org/repo", "-hff", "m.gguf"] },
-    U { option: "-hft, --hf-token", class: Honoured("pending:C"), sample: &["-hft", "hf_xxx"] },
+    U {
+        option: "-mu, --model-url",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_model_url_downloads_to_the_model_path"),
+        sample: &["-m", "/tmp/x.gguf", "-mu", "http://host/x.gguf"],
+    },
+    U {
+        option: "-dr, --docker-repo",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_docker_repo_fails_as_upstream_does"),
+        sample: &["-dr", "gemma3"],
+    },
+    U {
+        option: "-hf, -hfr, --hf-repo",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_file_token_and_offline"),
+        sample: &["-hf", "ggml-org/tinygemma3-GGUF:Q8_0"],
+    },
+    U {
+        option: "-hff, --hf-file",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_file_token_and_offline"),
+        sample: &["-hf", "org/repo", "-hff", "m.gguf"],
+    },
+    U {
+        option: "-hft, --hf-token",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_file_token_and_offline"),
+        sample: &["-hft", "hf_xxx"],
+    },
     U { option: "--log-disable", class: Honoured("test:tests/integration/cli.rs::log_options_shape_strata_lines_as_upstreams"), sample: &["--log-disable"] },
     U {
         option: "--log-file",
@@ -152,7 +185,7 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_chat_completion.py::test_chat_template"),
         sample: &["-v"],
     },
-    U { option: "--offline", class: Honoured("pending:C"), sample: &["--offline"] },
+    U { option: "--offline", class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_file_token_and_offline"), sample: &["--offline"] },
     U {
         option: "-lv, --verbosity, --log-verbosity",
         class: Honoured("test:tests/integration/checkpoints.rs::a_hybrid_model_resumes_a_shared_prefix_from_a_checkpoint"),
@@ -204,7 +237,11 @@ pub const TABLE: &[U] = &[
     U { option: "-j, --json-schema", class: Honoured("sampling:grammar"), sample: &["-j", "{\"type\":\"object\"}"] },
     U { option: "-jf, --json-schema-file", class: Honoured("sampling:grammar"), sample: &["-jf", "{dir}/schema.json"] },
     U { option: "-bs, --backend-sampling", class: Honoured("pending:A"), sample: &["-bs"] },
-    U { option: "--spec-draft-hf, -hfd, -hfrd, --hf-repo-draft", class: Honoured("pending:C"), sample: &["-hf", "u/m", "-hfd", "u/d"] },
+    U {
+        option: "--spec-draft-hf, -hfd, -hfrd, --hf-repo-draft",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_draft_is_downloaded_and_drafts"),
+        sample: &["-hf", "u/m", "-hfd", "u/d"],
+    },
     U {
         option: "--spec-draft-threads, -td, --threads-draft",
         class: Honoured("draft_context:n_threads"),
@@ -316,8 +353,16 @@ pub const TABLE: &[U] = &[
         class: Honoured("context:n_outputs_max_per_seq"),
         sample: &["--spec-type", "draft-simple", "-md", "d.gguf", "--spec-draft-n-max", "2"],
     },
-    U { option: "--spec-draft-n-min", class: Honoured("pending:C"), sample: &["--spec-draft-n-min", "2"] },
-    U { option: "--spec-synth-len", class: Honoured("pending:C"), sample: &["--spec-type", "draft-mtp", "--spec-synth-len", "2.5"] },
+    U {
+        option: "--spec-draft-n-min",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_draft_model_n_min_and_p_min_drop_drafts"),
+        sample: &["--spec-draft-n-min", "2"],
+    },
+    U {
+        option: "--spec-synth-len",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_mtp_synthetic_acceptance_and_draft_backend_sampling"),
+        sample: &["--spec-type", "draft-mtp", "--spec-synth-len", "2.5"],
+    },
     U {
         option: "--spec-synth-rates",
         class: Honoured("test:tools/compat/side-by-side.json::draft-mtp synthetic"),
@@ -328,10 +373,14 @@ pub const TABLE: &[U] = &[
         class: Inert { pin: "common/arg.cpp:4203", text: "params.speculative.draft.p_split = std::stof(value);", why: "written here and read nowhere" },
         sample: &["--spec-draft-p-split", "0.3"],
     },
-    U { option: "--spec-draft-p-min, --draft-p-min", class: Honoured("pending:C"), sample: &["--spec-draft-p-min", "0.5"] },
+    U {
+        option: "--spec-draft-p-min, --draft-p-min",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_draft_model_n_min_and_p_min_drop_drafts"),
+        sample: &["--spec-draft-p-min", "0.5"],
+    },
     U {
         option: "--spec-draft-backend-sampling, --no-spec-draft-backend-sampling",
-        class: Honoured("pending:C"),
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_mtp_synthetic_acceptance_and_draft_backend_sampling"),
         sample: &["--spec-type", "draft-mtp", "--no-spec-draft-backend-sampling"],
     },
     U {
@@ -359,28 +408,56 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/checkpoints.rs::speculation_on_a_hybrid_model_keeps_greedy_output"),
         sample: &["--spec-type", "draft-mtp"],
     },
-    U { option: "--spec-ngram-mod-n-min", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", "8"] },
+    U {
+        option: "--spec-ngram-mod-n-min",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_mod_match_and_min"),
+        sample: &["--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", "8"],
+    },
     U {
         option: "--spec-ngram-mod-n-max",
         class: Honoured("context:n_outputs_max_per_seq"),
         sample: &["--spec-type", "ngram-mod", "--spec-ngram-mod-n-max", "16"],
     },
-    U { option: "--spec-ngram-mod-n-match", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "8"] },
-    U { option: "--spec-ngram-simple-size-n", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4"] },
+    U {
+        option: "--spec-ngram-mod-n-match",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_mod_match_and_min"),
+        sample: &["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", "8"],
+    },
+    U {
+        option: "--spec-ngram-simple-size-n",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_simple_size_and_min_hits"),
+        sample: &["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4"],
+    },
     U {
         option: "--spec-ngram-simple-size-m",
         class: Honoured("context:n_outputs_max_per_seq"),
         sample: &["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", "8"],
     },
-    U { option: "--spec-ngram-simple-min-hits", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-simple", "--spec-ngram-simple-min-hits", "2"] },
-    U { option: "--spec-ngram-map-k-size-n", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "4"] },
+    U {
+        option: "--spec-ngram-simple-min-hits",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_simple_size_and_min_hits"),
+        sample: &["--spec-type", "ngram-simple", "--spec-ngram-simple-min-hits", "2"],
+    },
+    U {
+        option: "--spec-ngram-map-k-size-n",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_map_k_size_and_min_hits"),
+        sample: &["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-n", "4"],
+    },
     U {
         option: "--spec-ngram-map-k-size-m",
         class: Honoured("context:n_outputs_max_per_seq"),
         sample: &["--spec-type", "ngram-map-k", "--spec-ngram-map-k-size-m", "8"],
     },
-    U { option: "--spec-ngram-map-k-min-hits", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-map-k", "--spec-ngram-map-k-min-hits", "2"] },
-    U { option: "--spec-ngram-map-k4v-size-n", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", "4"] },
+    U {
+        option: "--spec-ngram-map-k-min-hits",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_map_k_size_and_min_hits"),
+        sample: &["--spec-type", "ngram-map-k", "--spec-ngram-map-k-min-hits", "2"],
+    },
+    U {
+        option: "--spec-ngram-map-k4v-size-n",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_map_k4v_size_and_min_hits"),
+        sample: &["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", "4"],
+    },
     U {
         option: "--spec-ngram-map-k4v-size-m",
         class: Honoured("context:n_outputs_max_per_seq"),
@@ -388,7 +465,7 @@ pub const TABLE: &[U] = &[
     },
     U {
         option: "--spec-ngram-map-k4v-min-hits",
-        class: Honoured("pending:C"),
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_ngram_map_k4v_size_and_min_hits"),
         sample: &["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-min-hits", "2"],
     },
     U {
@@ -416,15 +493,27 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/cli.rs::exit_options_print_what_upstream_prints"),
         sample: &["--spec-ngram-min-hits", "2"],
     },
-    U { option: "-lcs, --lookup-cache-static", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-cache", "-lcs", "static.bin"] },
-    U { option: "-lcd, --lookup-cache-dynamic", class: Honoured("pending:C"), sample: &["--spec-type", "ngram-cache", "-lcd", "dynamic.bin"] },
+    U {
+        option: "-lcs, --lookup-cache-static",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_lookup_caches_static_and_dynamic"),
+        sample: &["--spec-type", "ngram-cache", "-lcs", "static.bin"],
+    },
+    U {
+        option: "-lcd, --lookup-cache-dynamic",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_lookup_caches_static_and_dynamic"),
+        sample: &["--spec-type", "ngram-cache", "-lcd", "dynamic.bin"],
+    },
     U { option: "--kv-unified-per-slot", class: Honoured("pending:B"), sample: &["--kv-unified-per-slot", "256"] },
     U {
         option: "-ctxcp, --ctx-checkpoints, --swa-checkpoints",
         class: Honoured("test:tests/integration/checkpoints.rs::a_hybrid_model_resumes_a_shared_prefix_from_a_checkpoint"),
         sample: &["--ctx-checkpoints", "0"],
     },
-    U { option: "-cms, --checkpoint-min-step", class: Honoured("pending:C"), sample: &["-cms", "0"] },
+    U {
+        option: "-cms, --checkpoint-min-step",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_checkpoint_min_step_0_checkpoints_every_user_turn"),
+        sample: &["-cms", "0"],
+    },
     U {
         option: "-cram, --cache-ram",
         class: Honoured("test:tests/integration/engine.rs::an_evicted_prompt_comes_back_from_the_ram_cache"),
@@ -444,7 +533,7 @@ pub const TABLE: &[U] = &[
     U { option: "-r, --reverse-prompt", class: Honoured("pending:B"), sample: &["-r", "User:"] },
     U { option: "-sp, --special", class: Honoured("pending:B"), sample: &["-sp"] },
     U { option: "--warmup, --no-warmup", class: Honoured("pending:A"), sample: &["--no-warmup"] },
-    U { option: "--spm-infill", class: Honoured("pending:C"), sample: &["--spm-infill"] },
+    U { option: "--spm-infill", class: Honoured("test:tests/python/test_flags_upstream.py::test_skip_chat_parsing_and_spm_infill"), sample: &["--spm-infill"] },
     U { option: "--pooling", class: Honoured("context:pooling_type"), sample: &["--embeddings", "--pooling", "mean"] },
     U { option: "-np, --parallel", class: Honoured("context:n_seq_max"), sample: &["-np", "3"] },
     U { option: "-cb, --cont-batching, -nocb, --no-cont-batching", class: Honoured("pending:B"), sample: &["-nocb"] },
@@ -473,7 +562,11 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_basic.py::test_server_model_aliases_and_tags"),
         sample: &["--tags", "chat,fim,small"],
     },
-    U { option: "--embd-normalize", class: Honoured("pending:C"), sample: &["--embd-normalize", "-1"] },
+    U {
+        option: "--embd-normalize",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_embd_normalize_sets_the_default_normalisation"),
+        sample: &["--embd-normalize", "-1"],
+    },
     U {
         option: "--host",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_basic.py::test_server_multiple_addresses"),
@@ -484,19 +577,47 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_basic.py::test_server_start_simple"),
         sample: &["--port", "8181"],
     },
-    U { option: "--reuse-port", class: Honoured("pending:me reuse-port"), sample: &["--reuse-port"] },
+    U {
+        option: "--reuse-port",
+        class: Honoured("test:tests/python/test_http_flags.py::test_reuse_port_lets_a_second_server_bind_the_same_port"),
+        sample: &["--reuse-port"],
+    },
     U { option: "--path", class: Honoured("test:tests/integration/ui.rs::path_serves_a_directory_instead"), sample: &["--path", "./public"] },
     U {
         option: "--cors-origins",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_security.py::test_cors_origins_localhost_reflects"),
         sample: &["--cors-origins", "localhost"],
     },
-    U { option: "--cors-methods", class: Honoured("pending:C"), sample: &["--cors-methods", "GET,POST"] },
-    U { option: "--cors-headers", class: Honoured("pending:C"), sample: &["--cors-headers", "Authorization"] },
-    U { option: "--cors-credentials, --no-cors-credentials", class: Honoured("pending:C"), sample: &["--no-cors-credentials"] },
-    U { option: "--api-prefix", class: Honoured("pending:C"), sample: &["--api-prefix", "/api"] },
-    U { option: "--ui-config, --webui-config", class: Honoured("pending:C"), sample: &["--ui-config", "{\"theme\":\"dark\"}"] },
-    U { option: "--ui-config-file, --webui-config-file", class: Honoured("pending:C"), sample: &["--ui-config-file", "ui.json"] },
+    U {
+        option: "--cors-methods",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_cors_methods_headers_credentials_ui_config_file_and_no_agent"),
+        sample: &["--cors-methods", "GET,POST"],
+    },
+    U {
+        option: "--cors-headers",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_cors_methods_headers_credentials_ui_config_file_and_no_agent"),
+        sample: &["--cors-headers", "Authorization"],
+    },
+    U {
+        option: "--cors-credentials, --no-cors-credentials",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_cors_methods_headers_credentials_ui_config_file_and_no_agent"),
+        sample: &["--no-cors-credentials"],
+    },
+    U {
+        option: "--api-prefix",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["--api-prefix", "/api"],
+    },
+    U {
+        option: "--ui-config, --webui-config",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["--ui-config", "{\"theme\":\"dark\"}"],
+    },
+    U {
+        option: "--ui-config-file, --webui-config-file",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_cors_methods_headers_credentials_ui_config_file_and_no_agent"),
+        sample: &["--ui-config-file", "ui.json"],
+    },
     U {
         option: "--ui-mcp-proxy, --webui-mcp-proxy, --no-ui-mcp-proxy, --no-webui-mcp-proxy",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_proxy.py::test_mcp_proxy_custom_port"),
@@ -507,7 +628,11 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_tools_builtin.py::test_tools_builtin_read_file"),
         sample: &["--tools", "all"],
     },
-    U { option: "--tools-runtime", class: Honoured("pending:C"), sample: &["--tools", "all", "--tools-runtime", "docker-container:abc123"] },
+    U {
+        option: "--tools-runtime",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_tools_runtime_runs_the_tools_in_the_named_container_or_refuses_a_bad_target"),
+        sample: &["--tools", "all", "--tools-runtime", "docker-container:abc123"],
+    },
     U {
         option: "--mcp-servers-config",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_mcp_servers.py::test_mcp_tools_via_json_config_file"),
@@ -518,7 +643,11 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_mcp_servers.py::test_mcp_tools_listed_in_tools_endpoint"),
         sample: &["--tools", "all", "--mcp-servers-json", "{\"mcpServers\":{}}"],
     },
-    U { option: "-ag, --agent, -no-ag, --no-agent", class: Honoured("pending:C"), sample: &["-ag"] },
+    U {
+        option: "-ag, --agent, -no-ag, --no-agent",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_agent_enables_the_tools_the_proxy_and_localhost_cors"),
+        sample: &["-ag"],
+    },
     U {
         option: "--ui, --webui, --no-ui, --no-webui",
         class: Honoured("test:tests/integration/ui.rs::no_ui_answers_404_and_retires_the_service_worker"),
@@ -535,17 +664,37 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_security.py::test_incorrect_api_key"),
         sample: &["--api-key", "sk-1,sk-2"],
     },
-    U { option: "--api-key-file", class: Honoured("pending:C"), sample: &["--api-key-file", "keys.txt"] },
+    U {
+        option: "--api-key-file",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["--api-key-file", "keys.txt"],
+    },
     U {
         option: "--ssl-key-file",
         class: Honoured("test:tests/python/test_tls.py::test_keep_alive_api_key_and_cors_over_tls"),
         sample: &["--ssl-key-file", "key.pem", "--ssl-cert-file", "cert.pem"],
     },
     U { option: "--ssl-cert-file", class: Honoured("test:tests/python/test_tls.py::test_a_bad_key_or_certificate_stops_start_up"), sample: &[] },
-    U { option: "--chat-template-kwargs", class: Honoured("pending:C"), sample: &["--chat-template-kwargs", "{\"k\":\"v\"}"] },
-    U { option: "-to, --timeout", class: Honoured("pending:me timeout"), sample: &["-to", "5"] },
-    U { option: "--sse-ping-interval", class: Honoured("pending:me ping"), sample: &["--sse-ping-interval", "2"] },
-    U { option: "--threads-http", class: Honoured("pending:me threads-http"), sample: &["--threads-http", "4"] },
+    U {
+        option: "--chat-template-kwargs",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_template_kwargs_reasoning_effort_and_no_prefill_assistant"),
+        sample: &["--chat-template-kwargs", "{\"k\":\"v\"}"],
+    },
+    U {
+        option: "-to, --timeout",
+        class: Honoured("test:server/src/api/listen.rs::a_client_that_stops_reading_is_dropped_after_the_write_timeout"),
+        sample: &["-to", "5"],
+    },
+    U {
+        option: "--sse-ping-interval",
+        class: Honoured("test:tests/python/test_http_flags.py::test_a_stream_silent_past_the_ping_interval_sends_sse_comments"),
+        sample: &["--sse-ping-interval", "2"],
+    },
+    U {
+        option: "--threads-http",
+        class: Honoured("test:tests/python/test_http_flags.py::test_threads_http_sets_the_http_runtimes_workers"),
+        sample: &["--threads-http", "4"],
+    },
     U { option: "--cache-prompt, --no-cache-prompt", class: Honoured("pending:B"), sample: &["--no-cache-prompt"] },
     U {
         option: "--cache-reuse",
@@ -557,7 +706,11 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_metrics.py::test_metrics_prometheus_format"),
         sample: &["--metrics"],
     },
-    U { option: "--props", class: Honoured("pending:C"), sample: &["--props"] },
+    U {
+        option: "--props",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["--props"],
+    },
     U {
         option: "--slots, --no-slots",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_basic.py::test_server_slots"),
@@ -594,16 +747,36 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_chat_completion.py::test_chat_template"),
         sample: &["--no-jinja"],
     },
-    U { option: "--reasoning-format", class: Honoured("pending:C"), sample: &["--reasoning-format", "none"] },
+    U {
+        option: "--reasoning-format",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_reasoning_format_none_and_reasoning_budget_with_its_message"),
+        sample: &["--reasoning-format", "none"],
+    },
     U {
         option: "-rea, --reasoning",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_template.py::test_reasoning"),
         sample: &["--reasoning", "off"],
     },
-    U { option: "--reasoning-effort", class: Honoured("pending:C"), sample: &["--reasoning-effort", "high"] },
-    U { option: "--reasoning-budget", class: Honoured("pending:C"), sample: &["--reasoning-budget", "0"] },
-    U { option: "--reasoning-budget-message", class: Honoured("pending:C"), sample: &["--reasoning-budget-message", "Done."] },
-    U { option: "--reasoning-preserve, --no-reasoning-preserve", class: Honoured("pending:C"), sample: &["--no-reasoning-preserve"] },
+    U {
+        option: "--reasoning-effort",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_template_kwargs_reasoning_effort_and_no_prefill_assistant"),
+        sample: &["--reasoning-effort", "high"],
+    },
+    U {
+        option: "--reasoning-budget",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_reasoning_format_none_and_reasoning_budget_with_its_message"),
+        sample: &["--reasoning-budget", "0"],
+    },
+    U {
+        option: "--reasoning-budget-message",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_reasoning_format_none_and_reasoning_budget_with_its_message"),
+        sample: &["--reasoning-budget-message", "Done."],
+    },
+    U {
+        option: "--reasoning-preserve, --no-reasoning-preserve",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_no_reasoning_preserve_drops_earlier_reasoning"),
+        sample: &["--no-reasoning-preserve"],
+    },
     U {
         option: "--chat-template",
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_chat_completion.py::test_chat_template"),
@@ -614,9 +787,21 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:vendor/llama.cpp/tools/server/tests/unit/test_template.py::test_date_inside_prompt"),
         sample: &["--jinja", "--chat-template-file", "t.jinja"],
     },
-    U { option: "--skip-chat-parsing, --no-skip-chat-parsing", class: Honoured("pending:C"), sample: &["--skip-chat-parsing"] },
-    U { option: "--prefill-assistant, --no-prefill-assistant", class: Honoured("pending:C"), sample: &["--no-prefill-assistant"] },
-    U { option: "-sps, --slot-prompt-similarity", class: Honoured("pending:C"), sample: &["-sps", "0.5"] },
+    U {
+        option: "--skip-chat-parsing, --no-skip-chat-parsing",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_skip_chat_parsing_and_spm_infill"),
+        sample: &["--skip-chat-parsing"],
+    },
+    U {
+        option: "--prefill-assistant, --no-prefill-assistant",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_template_kwargs_reasoning_effort_and_no_prefill_assistant"),
+        sample: &["--no-prefill-assistant"],
+    },
+    U {
+        option: "-sps, --slot-prompt-similarity",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_prefix_keys_props_ui_config_predict_and_slot_similarity"),
+        sample: &["-sps", "0.5"],
+    },
     U {
         option: "--lora-init-without-apply",
         class: Inert {
@@ -632,18 +817,50 @@ pub const TABLE: &[U] = &[
         sample: &["--sleep-idle-seconds", "1"],
     },
     U { option: "--log-prompts-dir", class: Honoured("pending:B"), sample: &["--log-prompts-dir", "/tmp/prompts"] },
-    U { option: "--embd-gemma-default", class: Honoured("pending:C"), sample: &["--embd-gemma-default"] },
-    U { option: "--fim-qwen-1.5b-default", class: Honoured("pending:C"), sample: &["--fim-qwen-1.5b-default"] },
-    U { option: "--fim-qwen-3b-default", class: Honoured("pending:C"), sample: &["--fim-qwen-3b-default"] },
-    U { option: "--fim-qwen-7b-default", class: Honoured("pending:C"), sample: &["--fim-qwen-7b-default"] },
-    U { option: "--fim-qwen-7b-spec", class: Honoured("pending:C"), sample: &["--fim-qwen-7b-spec"] },
-    U { option: "--fim-qwen-14b-spec", class: Honoured("pending:C"), sample: &["--fim-qwen-14b-spec"] },
-    U { option: "--fim-qwen-30b-default", class: Honoured("pending:C"), sample: &["--fim-qwen-30b-default"] },
+    U {
+        option: "--embd-gemma-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--embd-gemma-default"],
+    },
+    U {
+        option: "--fim-qwen-1.5b-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-1.5b-default"],
+    },
+    U {
+        option: "--fim-qwen-3b-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-3b-default"],
+    },
+    U {
+        option: "--fim-qwen-7b-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-7b-default"],
+    },
+    U {
+        option: "--fim-qwen-7b-spec",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-7b-spec"],
+    },
+    U {
+        option: "--fim-qwen-14b-spec",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-14b-spec"],
+    },
+    U {
+        option: "--fim-qwen-30b-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
+        sample: &["--fim-qwen-30b-default"],
+    },
     U { option: "--gpt-oss-20b-default", class: Honoured("sampling:min_p"), sample: &["--gpt-oss-20b-default"] },
     U { option: "--gpt-oss-120b-default", class: Honoured("sampling:min_p"), sample: &["--gpt-oss-120b-default"] },
     U { option: "--vision-gemma-4b-default", class: Refused { key: "mmproj", why: MULTIMODAL }, sample: &[] },
     U { option: "--vision-gemma-12b-default", class: Refused { key: "mmproj", why: MULTIMODAL }, sample: &[] },
-    U { option: "--spec-default", class: Honoured("pending:C"), sample: &["--spec-default"] },
+    U {
+        option: "--spec-default",
+        class: Honoured("test:tests/python/test_flags_upstream.py::test_spec_default_is_ngram_mod_with_its_sizes"),
+        sample: &["--spec-default"],
+    },
 ];
 
 /// The options the parsed parameters (`cfg`, in the shim's JSON) set that strata-server
@@ -720,7 +937,7 @@ mod tests {
         assert_eq!(options.len(), table.len(), "the help has {} options, the table {} rows", options.len(), table.len());
     }
 
-    const PARAMETER_KINDS: &[&str] = &["model", "context", "draft_model", "draft_context", "sampling"];
+    const PARAMETER_KINDS: &[&str] = &["model", "context", "draft_model", "draft_context", "backend", "sampling"];
 
     #[test]
     fn every_honoured_row_has_evidence_of_a_known_kind() {
