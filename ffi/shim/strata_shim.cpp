@@ -358,6 +358,28 @@ bool strata_backend_init(const strata_params * p, char ** err) {
     });
 }
 
+// ---- model and context set-up (what common_init_from_params does around llama.h's calls) ----
+
+struct strata_threadpools {
+    common_threadpools pools;
+};
+
+strata_threadpools * strata_threadpools_init(const strata_params * p, struct llama_context * ctx, char ** err) {
+    return guarded<strata_threadpools *>(err, nullptr, [&]() {
+        set_process_priority(p->params.cpuparams.priority);
+        auto * t = new strata_threadpools;
+        t->pools.init(ctx, p->params);
+        return t;
+    });
+}
+
+void strata_threadpools_free(strata_threadpools * t) {
+    try {
+        delete t;
+    } catch (...) {
+    }
+}
+
 // ---- chat templates -------------------------------------------------------------------------
 
 strata_chat_templates * strata_chat_templates_init(const struct llama_model * model, const char * tmpl_override, char ** err) {

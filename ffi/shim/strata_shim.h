@@ -67,6 +67,17 @@ struct llama_context_params strata_params_context(const strata_params * p, char 
 // llama_backend_init() and llama_numa_init(params.numa), as llama-server's main does.
 bool strata_backend_init(const strata_params * p, char ** err);
 
+// ---- model and context set-up ---------------------------------------------------------------
+
+// What common_init_from_params does besides making the model and context, for a server that
+// makes them itself.
+
+// --prio for the calling thread, and the CPU threadpools of -t/-C/-Cr/--cpu-strict/--poll (and
+// their -batch forms) attached to ctx; free them after the context.
+typedef struct strata_threadpools strata_threadpools;
+strata_threadpools * strata_threadpools_init(const strata_params * p, struct llama_context * ctx, char ** err);
+void                 strata_threadpools_free(strata_threadpools * t);
+
 // ---- chat templates -------------------------------------------------------------------------
 
 typedef struct strata_chat_templates strata_chat_templates;

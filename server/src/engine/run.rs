@@ -121,6 +121,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             }
             placed = true;
         }
+        ctx.init_from_params(&cfg.params).map_err(|e| e.to_string())?;
         let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {

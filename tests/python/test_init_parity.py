@@ -1,0 +1,192 @@
+"""What llama-server's common_init_from_params does besides loading the model and making the
+context, which strata-server makes itself. Each test runs the same flags on upstream llama-server
+(the pin, unpatched) and on strata-server over loopback HTTP and compares what they do."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import servers
+
+REPO = Path(__file__).resolve().parents[2]
+STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
+MODELS = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models"))
+LLAMA = MODELS / "tiny-llama.gguf"
+RERANK = MODELS / "tiny-bert-rerank.gguf"
+BINARIES = {"upstream": UPSTREAM, "strata": STRATA}
+# tiny-llama: n_embd 64, 4 layers; a control vector has directions for layers 1..3
+N_EMBD, N_LAYER = 64, 4
+PROMPT = "The lighthouse keeper counted the ships"
+
+
+def _gguf():
+    sys.path.insert(0, str(REPO / "vendor" / "llama.cpp" / "gguf-py"))
+    # gguf/metadata.py imports yaml at module level but only uses it for model cards
+    sys.modules.setdefault("yaml", types.ModuleType("yaml"))
+    import gguf
+    return gguf
+
+
+gguf = _gguf()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def binaries():
+    for p in (STRATA, UPSTREAM, LLAMA, RERANK):
+        if not p.exists():
+            pytest.fail(f"{p} is missing: run tools/setup, tools/build-upstream and cargo build --release")
+
+
+class Running:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log_path = proc, url, log
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.load(r)
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.load(r)
+
+    def tokens(self, prompt: str = PROMPT, n: int = 16, **extra) -> list[int]:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": True, "cache_prompt": False, **extra}
+        return self.post("/completion", body)["tokens"]
+
+    def threads(self) -> list[dict]:
+        """Each thread's nice value and allowed CPUs (from /proc)."""
+        out = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+                status = (task / "status").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            cpus = next(l.split(":", 1)[1].strip() for l in status.splitlines() if l.startswith("Cpus_allowed_list:"))
+            out.append({"nice": int(fields[16]), "cpus": cpus})
+        return out
+
+
+@contextlib.contextmanager
+def serve(which: str, args: list[str], tmp_path: Path):
+    log = tmp_path / f"{which}-{time.monotonic_ns()}.log"
+    with open(log, "wb", buffering=0) as f:
+        proc, url = servers.start(BINARIES[which], ["--host", "127.0.0.1", *args], stderr=f)
+    try:
+        yield Running(proc, url, log)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def both(args: list[str], tmp_path: Path, probe):
+    """probe(server) on upstream, then on strata, with the same flags."""
+    out = {}
+    for which in BINARIES:
+        with serve(which, args, tmp_path) as s:
+            out[which] = probe(s)
+    return out["upstream"], out["strata"]
+
+
+def base_args(model: Path = LLAMA) -> list[str]:
+    return ["-m", str(model), "-c", "1024", "-np", "1", "-t", "2"]
+
+
+def cmn_lines(log: str, *needles: str) -> list[str]:
+    """The log's lines holding any of needles, without the timestamp and level columns."""
+    lines = []
+    for line in log.splitlines():
+        if any(n in line for n in needles):
+            lines.append(re.sub(r"^\d+\.\d+\.\d+\.\d+ [A-Z] ", "", line))
+    return lines
+
+
+def copy_gguf(src: Path, dst: Path, edit) -> Path:
+    """A copy of src, its metadata as edit(writer, fields) leaves it: fields maps each key of src
+    to (value, type, array type) and may be changed; the writer takes keys of its own."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    fields = {}
+    for field in r.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        fields[field.name] = (field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    edit(w, fields)
+    for name, (value, vtype, sub) in fields.items():
+        w.add_key_value(name, value, vtype, sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    w.close()
+    return dst
+
+
+# ---- threadpools and priority ----------------------------------------------------------------
+
+# Upstream's task-queue thread, started by its decoding thread after the warm-up, inherits that
+# thread's priority and CPU mask: the tests compare the values the servers' threads take, and
+# count strata's own (the engine thread and its OpenMP worker).
+
+def test_prio_lowers_the_compute_threads_as_upstream_does(tmp_path):
+    # -C pins the threads that compute, which tells them from the servers' other threads
+    def niced(s: Running) -> list[int]:
+        s.tokens()
+        return [t["nice"] for t in s.threads() if t["cpus"] == "0"]
+    up, st = both(base_args() + ["-C", "0x1", "--prio", "-1"], tmp_path, niced)
+    assert set(up) == set(st) == {5} and len(st) == 2, (up, st)
+    up, st = both(base_args() + ["-C", "0x1"], tmp_path, niced)
+    assert set(up) == set(st) == {0} and len(st) == 2, (up, st)
+
+
+def pinned(s: Running) -> list[str]:
+    """The CPU lists of the threads whose affinity is narrower than the machine's."""
+    everything = f"0-{os.cpu_count() - 1}"
+    return sorted(t["cpus"] for t in s.threads() if t["cpus"] != everything)
+
+
+@pytest.mark.parametrize("flags, cpus", [(["-C", "0x1"], {"0"}), (["-Cr", "1-1"], {"1"}), (["-C", "0x3", "--cpu-strict", "1"], {"0", "1"})],
+                         ids=["mask", "range", "strict"])
+def test_cpu_masks_pin_the_compute_threads_as_upstream_does(tmp_path, flags, cpus):
+    def probe(s: Running) -> list[str]:
+        s.tokens()
+        return pinned(s)
+    up, st = both(base_args() + flags, tmp_path, probe)
+    assert set(up) == set(st) == cpus and len(st) == 2, (up, st)
+
+
+@pytest.mark.parametrize("batch", [["-Cb", "0x2", "--cpu-strict-batch", "1"], ["-Crb", "1-1"]], ids=["mask", "range"])
+def test_batch_masks_pin_prompt_batches_and_the_single_token_masks_generation(tmp_path, batch):
+    def probe(s: Running) -> tuple[list[str], list[str]]:
+        s.tokens(n=0)
+        prompt = pinned(s)
+        s.tokens(n=4)
+        return prompt, pinned(s)
+    args = base_args() + ["-tb", "2", "-C", "0x1", "--poll-batch", "0", *batch]
+    up, st = both(args, tmp_path, probe)
+    assert st == (["1", "1"], ["0", "0"]), st
+    # upstream's queue thread keeps the batch mask it inherited
+    assert set(up[0]) == {"1"} and up[1].count("0") == 2, up
