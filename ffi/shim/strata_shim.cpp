@@ -360,6 +360,10 @@ bool strata_backend_init(const strata_params * p, char ** err) {
 
 // ---- model and context set-up (what common_init_from_params does around llama.h's calls) ----
 
+// common.h's COM_* lines name the function that logs them: these stand in for upstream's.
+#define STRATA_COM_LOG(LEVEL, func, fmt, ...) LEVEL("cmn  %12.*s: " fmt, 12, func, __VA_ARGS__)
+static const char * const COMMON_INIT_FROM_PARAMS = "common_init_from_params";
+
 struct strata_threadpools {
     common_threadpools pools;
 };
@@ -378,6 +382,108 @@ void strata_threadpools_free(strata_threadpools * t) {
         delete t;
     } catch (...) {
     }
+}
+
+// The rest of common_init_from_params once the context exists; each early return there skips
+// what follows it, as here. The LoRA adapters are the engine's to apply, per batch.
+static void context_setup(common_params & params, llama_context * lctx) {
+    const llama_model * model = llama_get_model(lctx);
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+
+    if (params.ctx_shift && !llama_memory_can_shift(llama_get_memory(lctx))) {
+        STRATA_COM_LOG(LOG_WRN, COMMON_INIT_FROM_PARAMS, "%s", "KV cache shifting is not supported for this context, disabling KV cache shifting\n");
+        params.ctx_shift = false;
+    }
+
+    if (!params.control_vectors.empty()) {
+        if (params.control_vector_layer_start <= 0) params.control_vector_layer_start = 1;
+        if (params.control_vector_layer_end   <= 0) params.control_vector_layer_end   = llama_model_n_layer(model);
+
+        const auto cvec = common_control_vector_load(params.control_vectors);
+        if (cvec.n_embd == -1) {
+            return;
+        }
+
+        int err = llama_set_adapter_cvec(
+                lctx,
+                cvec.data.data(),
+                cvec.data.size(),
+                cvec.n_embd,
+                params.control_vector_layer_start,
+                params.control_vector_layer_end);
+        if (err) {
+            return;
+        }
+    }
+
+    if (llama_pooling_type(lctx) == LLAMA_POOLING_TYPE_RANK) {
+        bool ok = true;
+
+        if (llama_vocab_bos(vocab) == LLAMA_TOKEN_NULL) {
+            STRATA_COM_LOG(LOG_WRN, COMMON_INIT_FROM_PARAMS, "%s", "vocab does not have a  BOS token, reranking will not work\n");
+            ok = false;
+        }
+
+        bool has_eos = llama_vocab_eos(vocab) != LLAMA_TOKEN_NULL;
+        bool has_sep = llama_vocab_sep(vocab) != LLAMA_TOKEN_NULL;
+        bool has_rerank_prompt = llama_model_chat_template(model, "rerank") != NULL;
+
+        if (!has_eos && !has_sep && !has_rerank_prompt) {
+            STRATA_COM_LOG(LOG_WRN, COMMON_INIT_FROM_PARAMS, "%s", "vocab does not have an EOS token, SEP token, or rerank prompt. Reranking will not work\n");
+            ok = false;
+        } else if (!has_eos) {
+            STRATA_COM_LOG(LOG_WRN, COMMON_INIT_FROM_PARAMS, "%s", "vocab does not have an EOS token, using SEP token as fallback\n");
+        }
+
+        if (!ok) {
+            return;
+        }
+    }
+
+    if (params.warmup) {
+        STRATA_COM_LOG(LOG_TRC, COMMON_INIT_FROM_PARAMS, "%s", "warming up the model with an empty run - please wait ... (--no-warmup to disable)\n");
+
+        std::vector<llama_token> tmp;
+        llama_token bos = llama_vocab_bos(vocab);
+        llama_token eos = llama_vocab_eos(vocab);
+
+        // some models (e.g. T5) don't have a BOS token
+        if (bos != LLAMA_TOKEN_NULL) {
+            tmp.push_back(bos);
+        }
+        if (eos != LLAMA_TOKEN_NULL) {
+            tmp.push_back(eos);
+        }
+        if (tmp.empty()) {
+            tmp.push_back(0);
+        }
+
+        if (llama_model_has_encoder(model)) {
+            common_batch batch = common_batch_get_one(lctx, tmp);
+            llama_process(lctx, LLAMA_PROCESS_TYPE_ENCODE, batch.get());
+            llama_token decoder_start_token_id = llama_model_decoder_start_token(model);
+            if (decoder_start_token_id == LLAMA_TOKEN_NULL) {
+                decoder_start_token_id = bos;
+            }
+            tmp.clear();
+            tmp.push_back(decoder_start_token_id);
+        }
+        if (llama_model_has_decoder(model)) {
+            tmp.resize(std::min(tmp.size(), (size_t) params.n_batch));
+            common_batch batch = common_batch_get_one(lctx, tmp);
+            llama_process(lctx, LLAMA_PROCESS_TYPE_DECODE, batch.get());
+        }
+        llama_memory_clear(llama_get_memory(lctx), true);
+        llama_synchronize(lctx);
+        llama_perf_context_reset(lctx);
+    }
+}
+
+bool strata_context_setup(strata_params * p, struct llama_context * ctx, char ** err) {
+    return guarded<bool>(err, false, [&]() {
+        context_setup(p->params, ctx);
+        return true;
+    });
 }
 
 // ---- chat templates -------------------------------------------------------------------------

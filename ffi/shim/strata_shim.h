@@ -78,6 +78,11 @@ typedef struct strata_threadpools strata_threadpools;
 strata_threadpools * strata_threadpools_init(const strata_params * p, struct llama_context * ctx, char ** err);
 void                 strata_threadpools_free(strata_threadpools * t);
 
+// Once a context exists: the KV-shift check, control vectors, the reranking vocabulary checks
+// and the warm-up run, stopping where common_init_from_params returns early (a control vector
+// that does not load, a vocabulary that cannot rerank). False with *err on an exception.
+bool strata_context_setup(strata_params * p, struct llama_context * ctx, char ** err);
+
 // ---- chat templates -------------------------------------------------------------------------
 
 typedef struct strata_chat_templates strata_chat_templates;

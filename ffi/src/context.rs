@@ -49,6 +49,9 @@ impl Default for ContextParams {
     }
 }
 
+/// The most tokens llama.cpp's warm-up run decodes (BOS and EOS).
+const WARMUP_TOKENS: i64 = 2;
+
 /// A llama_context over a borrowed model. Owned by one thread at a time (the engine thread).
 pub struct Context<'m> {
     ptr: NonNull<sys::llama_context>,
@@ -71,8 +74,10 @@ impl<'m> Context<'m> {
 
     /// What llama-server's common_init_from_params does once its context exists: --prio for
     /// this thread and the CPU threadpools of the -t/-C/--cpu-strict/--poll flags (and their
-    /// -batch forms).
-    pub fn init_from_params(&mut self, params: &ServerParams) -> Result<()> {
+    /// -batch forms), then the KV-shift check, control vectors, the reranking vocabulary checks
+    /// and the warm-up run (--warmup). May clear `params`' ctx_shift and fill its control
+    /// vector layer range.
+    pub fn init_from_params(&mut self, params: &mut ServerParams) -> Result<()> {
         if self.threadpools.is_none() {
             let pools = call(|err| {
                 // SAFETY: valid params and context; the pools are freed after the context (Drop).
@@ -80,7 +85,16 @@ impl<'m> Context<'m> {
             })?;
             self.threadpools = Some(pools);
         }
-        Ok(())
+        // The warm-up is a batch (of BOS and EOS) to the expert tiers too: its routing is counted
+        // before the next batch decoded elsewhere overwrites it.
+        self.count_logged_routing();
+        crate::moe::before_decode(self.model.as_ptr() as usize, WARMUP_TOKENS);
+        let done = call(|err| {
+            // SAFETY: valid, exclusively borrowed params and context.
+            unsafe { sys::strata_context_setup(params.as_mut_ptr(), self.ptr.as_ptr(), err) }.then_some(())
+        });
+        self.count_logged_routing();
+        done
     }
 
     pub fn model(&self) -> &'m Model {

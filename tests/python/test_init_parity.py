@@ -190,3 +190,112 @@ def test_batch_masks_pin_prompt_batches_and_the_single_token_masks_generation(tm
     assert st == (["1", "1"], ["0", "0"]), st
     # upstream's queue thread keeps the batch mask it inherited
     assert set(up[0]) == {"1"} and up[1].count("0") == 2, up
+
+
+# ---- control vectors -------------------------------------------------------------------------
+
+def write_control_vector(path: Path, layers, seed: int = 7, scale: float = 2.0, n_embd: int = N_EMBD, name: str = "direction.{}") -> Path:
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", "llama")
+    w.add_uint32("controlvector.layer_count", len(layers))
+    for il in layers:
+        w.add_tensor(name.format(il), (rng.standard_normal(n_embd) * scale).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_control_vectors_steer_generation_as_upstream_does(tmp_path):
+    cv = write_control_vector(tmp_path / "cv.gguf", range(1, N_LAYER))
+    cv2 = write_control_vector(tmp_path / "cv2.gguf", range(1, N_LAYER), seed=8)
+    with serve("strata", base_args(), tmp_path) as s:
+        plain = s.tokens()
+    runs = {}
+    for label, flags in {
+        "vector": ["--control-vector", str(cv)],
+        "scaled": ["--control-vector-scaled", f"{cv}:0.5", "--control-vector-scaled", f"{cv2}:-1.5"],
+        "layers": ["--control-vector", str(cv), "--control-vector-layer-range", "2", "3"],
+    }.items():
+        up, st = both(base_args() + flags, tmp_path, lambda s: s.tokens())
+        assert up == st, label
+        assert st != plain, f"{label}: the control vector changed nothing"
+        runs[label] = st
+    assert len({tuple(t) for t in runs.values()}) == 3, runs
+
+
+@pytest.mark.parametrize("kind", ["missing", "layer-zero", "wrong-width"])
+def test_a_bad_control_vector_is_logged_and_skipped_as_upstream_does(tmp_path, kind):
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "layer-zero":
+        write_control_vector(path, [0, 1])
+    elif kind == "wrong-width":
+        write_control_vector(path, [1, 2], n_embd=N_EMBD * 2)
+    with serve("strata", base_args(), tmp_path) as s:
+        plain = s.tokens()
+
+    def probe(s: Running):
+        return s.tokens(), cmn_lines(s.log(), "control vector", "direction tensor", "llama_adapter_cvec", "warming up")
+    up, st = both(base_args() + ["-lv", "4", "--control-vector", str(path)], tmp_path, probe)
+    assert st[0] == up[0] == plain
+    assert st[1] == up[1] and st[1], (up[1], st[1])
+    # common_init_from_params returns before the warm-up
+    assert not any("warming up" in line for line in st[1])
+
+
+# ---- warm-up ---------------------------------------------------------------------------------
+
+WARMUP = "warming up the model with an empty run"
+
+
+def test_warmup_runs_by_default_and_after_every_wake(tmp_path):
+    def wakes(s: Running) -> list[int]:
+        counts = [s.log().count(WARMUP)]
+        for _ in range(2):
+            while not s.get("/props")["is_sleeping"]:
+                time.sleep(0.1)
+            s.tokens(n=2)
+            counts.append(s.log().count(WARMUP))
+        return counts
+    up, st = both(base_args() + ["-lv", "4", "--sleep-idle-seconds", "1"], tmp_path, wakes)
+    assert up == st == [1, 2, 3]
+    up, st = both(base_args() + ["-lv", "4", "--no-warmup"], tmp_path, lambda s: s.log().count(WARMUP))
+    assert up == st == 0
+
+
+# ---- context shift ---------------------------------------------------------------------------
+
+def test_a_memory_that_cannot_shift_turns_the_context_shift_off_with_upstreams_warning(tmp_path):
+    # a hybrid model (recurrent layers) cannot shift positions
+    args = ["-m", str(MODELS / "tiny-qwen35moe-draft.gguf"), "-c", "1024", "-np", "1", "--context-shift"]
+    up, st = both(args, tmp_path, lambda s: cmn_lines(s.log(), "shift"))
+    assert up == st == ["cmn  common_init_: KV cache shifting is not supported for this context, disabling KV cache shifting"], (up, st)
+
+
+# ---- reranking vocabulary checks -------------------------------------------------------------
+
+def without_vocabulary(w, fields) -> None:
+    """No tokenizer, so no BOS, EOS or SEP token: the reranking checks fail."""
+    n_vocab = len(fields["tokenizer.ggml.tokens"][0])
+    for name in [k for k in fields if k.startswith("tokenizer.") and k != "tokenizer.ggml.token_type_count"]:
+        del fields[name]
+    w.add_tokenizer_model("none")
+    w.add_vocab_size(n_vocab)
+
+
+@pytest.mark.parametrize("vocab", ["bert", "none"])
+def test_rerank_vocab_checks_warn_as_upstream_does(tmp_path, vocab):
+    model = RERANK if vocab == "bert" else copy_gguf(RERANK, tmp_path / "no-vocab.gguf", without_vocabulary)
+    args = ["-m", str(model), "--rerank", "-c", "512", "-np", "1", "-lv", "4"]
+    up, st = both(args, tmp_path, lambda s: cmn_lines(s.log(), "vocab does not", WARMUP))
+    assert up == st, (up, st)
+    warnings = {
+        "bert": ["vocab does not have an EOS token, using SEP token as fallback"],
+        "none": ["vocab does not have a  BOS token, reranking will not work",
+                 "vocab does not have an EOS token, SEP token, or rerank prompt. Reranking will not work"],
+    }[vocab]
+    assert [l.split(": ", 1)[1] for l in st if "vocab" in l] == warnings, st
+    # the failed check returns before the warm-up, as common_init_from_params does
+    assert any(WARMUP in l for l in st) == (vocab == "bert")

@@ -121,7 +121,9 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             }
             placed = true;
         }
-        ctx.init_from_params(&cfg.params).map_err(|e| e.to_string())?;
+        ctx.init_from_params(&mut cfg.params).map_err(|e| e.to_string())?;
+        // init_from_params turns the context shift off where the memory cannot shift, as upstream does
+        cfg.ctx_shift &= ctx.can_shift();
         let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {
