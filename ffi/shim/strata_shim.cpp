@@ -11,6 +11,7 @@
 #include "speculative.h"
 #include "preset.h"
 #include "download.h"
+#include "fit.h"
 #include "ggml-cpu.h"
 
 #include <dlfcn.h>
@@ -313,6 +314,7 @@ static char * params_json(const strata_params * p) {
         }()},
         {"embd_normalize", c.embd_normalize},
         {"verbosity", c.verbosity},
+        {"fit_params", c.fit_params},
         {"sampling", sampling_json(c.sampling)},
     };
     // agent features: built-in tools, MCP servers, the Web UI's CORS proxy
@@ -362,7 +364,58 @@ bool strata_backend_init(const strata_params * p, char ** err) {
 
 // common.h's COM_* lines name the function that logs them: these stand in for upstream's.
 #define STRATA_COM_LOG(LEVEL, func, fmt, ...) LEVEL("cmn  %12.*s: " fmt, 12, func, __VA_ARGS__)
+static const char * const COMMON_INIT_RESULT = "common_init_result";
 static const char * const COMMON_INIT_FROM_PARAMS = "common_init_from_params";
+
+static int32_t params_fit(common_params & params) {
+    if (!params.fit_params) {
+        return -1;
+    }
+    auto mparams = common_model_params_to_llama(params);
+    auto cparams = common_context_params_to_llama(params);
+
+    STRATA_COM_LOG(LOG_TRC, COMMON_INIT_RESULT, "%s", "fitting params to device memory ...\n");
+    STRATA_COM_LOG(LOG_TRC, COMMON_INIT_RESULT, "%s", "(for bugs during this step try to reproduce them with -fit off, or provide --verbose logs if the bug only occurs with -fit on)\n");
+
+    // the draft context is created from the same base params and follows the main context, fit both together
+    const bool has_draft = params.speculative.has_dft();
+    const bool spec_mtp  = std::find(params.speculative.types.begin(), params.speculative.types.end(),
+        COMMON_SPECULATIVE_TYPE_DRAFT_MTP) != params.speculative.types.end();
+
+    common_params params_dft = common_base_params_to_speculative(params);
+
+    auto mparams_dft = common_model_params_to_llama(params_dft);
+    auto cparams_dft = common_context_params_to_llama(params_dft);
+    if (spec_mtp) {
+        cparams_dft.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+    }
+    cparams_dft.n_rs_seq = 0;
+
+    const common_fit_extra_model extra = {
+        /*.path_model   =*/ params_dft.model.path.c_str(),
+        /*.mparams      =*/ &mparams_dft,
+        /*.cparams      =*/ &cparams_dft,
+        /*.shares_model =*/ !has_draft, // an MTP context runs on the weights of the main model
+    };
+
+    const common_params_fit_status status = common_fit_params(params.model.path.c_str(), &mparams, &cparams,
+        params.tensor_split,
+        params.tensor_buft_overrides.data(),
+        params.fit_params_target.data(),
+        params.fit_params_min_ctx,
+        has_draft || spec_mtp ? &extra : nullptr,
+        params.verbosity >= LOG_LEVEL_DEBUG ? GGML_LOG_LEVEL_DEBUG : GGML_LOG_LEVEL_ERROR);
+
+    // The split and the overrides were written in place; the rest goes back into the params, which
+    // every later context (a wake from sleep, the draft's) is made from.
+    params.n_gpu_layers = mparams.n_gpu_layers;
+    params.n_ctx        = cparams.n_ctx;
+    return static_cast<int32_t>(status);
+}
+
+int32_t strata_params_fit(strata_params * p, char ** err) {
+    return guarded<int32_t>(err, -2, [&]() { return params_fit(p->params); });
+}
 
 struct strata_threadpools {
     common_threadpools pools;

@@ -72,6 +72,12 @@ bool strata_backend_init(const strata_params * p, char ** err);
 // What common_init_from_params does besides making the model and context, for a server that
 // makes them itself.
 
+// --fit (on by default): common_fit_params over the model and context params (and a draft or MTP
+// context's), before the model loads; the fitted layer count, context size, split and overrides
+// go back into p. Returns common_params_fit_status (0 fitted, 1 could not fit, 2 error), -1 when
+// --fit is off, -2 with *err on an exception.
+int32_t strata_params_fit(strata_params * p, char ** err);
+
 // --prio for the calling thread, and the CPU threadpools of -t/-C/-Cr/--cpu-strict/--poll (and
 // their -batch forms) attached to ctx; free them after the context.
 typedef struct strata_threadpools strata_threadpools;

@@ -14,6 +14,19 @@ pub struct ServerParams {
 // keeps a pointer to it, so moving it to another thread is sound.
 unsafe impl Send for ServerParams {}
 
+/// What --fit did (common_params_fit_status); its log lines say why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FitStatus {
+    /// -fit off.
+    Off,
+    /// The params fit free device memory (possibly unchanged).
+    Fitted,
+    /// No params were found that fit; loading goes on with the closest.
+    NoFit,
+    /// The fit could not run (llama.cpp logged why); loading goes on unchanged.
+    Error,
+}
+
 pub enum ParseOutcome {
     Parsed(ServerParams),
     /// Upstream's message is already on stderr; upstream exits with status 1.
@@ -60,6 +73,22 @@ impl ServerParams {
             shim_string::take(unsafe { sys::strata_params_json(self.as_ptr(), err) })
         })?;
         Ok(serde_json::from_str(&s)?)
+    }
+
+    /// --fit: fits the model and context params to free device memory (before the model loads)
+    /// and keeps the result for every context made from these params.
+    pub fn fit(&mut self) -> Result<FitStatus> {
+        let status = shim_string::call(|err| {
+            // SAFETY: valid, exclusively borrowed handle.
+            let s = unsafe { sys::strata_params_fit(self.as_mut_ptr(), err) };
+            (s != -2).then_some(s)
+        })?;
+        Ok(match status {
+            -1 => FitStatus::Off,
+            0 => FitStatus::Fitted,
+            1 => FitStatus::NoFit,
+            _ => FitStatus::Error,
+        })
     }
 
     pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {

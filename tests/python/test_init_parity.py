@@ -299,3 +299,25 @@ def test_rerank_vocab_checks_warn_as_upstream_does(tmp_path, vocab):
     assert [l.split(": ", 1)[1] for l in st if "vocab" in l] == warnings, st
     # the failed check returns before the warm-up, as common_init_from_params does
     assert any(WARMUP in l for l in st) == (vocab == "bert")
+
+
+# ---- fit -------------------------------------------------------------------------------------
+
+FIT = ("fitting params", "(for bugs during this step", "common_params_fit_impl:", "common_fit_params:", "common_memory_breakdown_print:")
+
+
+def fit_lines(log: str) -> list[str]:
+    return [l for l in cmn_lines(log, *FIT) if " took " not in l]
+
+
+def test_fit_on_the_cpu_sizes_the_context_as_upstream_does(tmp_path):
+    def probe(s: Running):
+        return s.get("/props")["default_generation_settings"]["n_ctx"], fit_lines(s.log())
+    # two slots without a unified KV cache and no -c: fit gives each slot the training context
+    args = ["-m", str(LLAMA), "-np", "2", "-t", "2", "-lv", "4"]
+    up, st = both(args, tmp_path, probe)
+    assert up == st and st[0] == 4096 and st[1], (up, st)
+    up, st = both(args + ["-fit", "off"], tmp_path, probe)
+    assert up == st and st == (2048, []), (up, st)
+    up, st = both(args + ["-fitc", "1024", "-fitt", "2048"], tmp_path, probe)
+    assert up == st and st[0] == 4096 and any(">= 2048 MiB" in l for l in st[1]), (up, st)

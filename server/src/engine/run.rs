@@ -29,6 +29,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             crate::log::srv(level, "load_model", &line);
         }
     }
+    fit(&mut cfg)?;
     let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
         Ok(p) => p,
         Err(e) => {
@@ -150,6 +151,20 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             None => return Ok(()),
         }
     }
+}
+
+/// --fit, before the model loads: llama.cpp sizes the layers on the GPU and the context to free
+/// device memory. Strata's expert tiers place the model themselves, so the fit stays out of
+/// their way.
+fn fit(cfg: &mut EngineConfig) -> Result<(), String> {
+    if cfg.experts.is_some() {
+        let on = cfg.params.to_json().map_err(|e| e.to_string())?["fit_params"].as_bool().unwrap_or(false);
+        if on {
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "--fit is skipped: the expert tiers size the model's use of GPU memory themselves");
+        }
+        return Ok(());
+    }
+    cfg.params.fit().map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// What a wait for work ended with.
