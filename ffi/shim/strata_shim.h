@@ -78,6 +78,10 @@ bool strata_backend_init(const strata_params * p, char ** err);
 // --fit is off, -2 with *err on an exception.
 int32_t strata_params_fit(strata_params * p, char ** err);
 
+// Once the model is loaded: its general.sampling.* defaults for the settings the command line
+// left alone, the end-of-generation logit biases, and --ignore-eos's use of them.
+bool strata_params_init_sampling(strata_params * p, const struct llama_model * model, char ** err);
+
 // --prio for the calling thread, and the CPU threadpools of -t/-C/-Cr/--cpu-strict/--poll (and
 // their -batch forms) attached to ctx; free them after the context.
 typedef struct strata_threadpools strata_threadpools;

@@ -91,6 +91,15 @@ impl ServerParams {
         })
     }
 
+    /// The loaded model's sampling defaults (general.sampling.*) under the command line's, and
+    /// the end-of-generation logit biases (applied with --ignore-eos, and per request).
+    pub fn init_sampling(&mut self, model: &crate::Model) -> Result<()> {
+        shim_string::call(|err| {
+            // SAFETY: valid handle and model for the call; nothing keeps a pointer to the model.
+            unsafe { sys::strata_params_init_sampling(self.as_mut_ptr(), model.as_ptr(), err) }.then_some(())
+        })
+    }
+
     pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {
         let mut err = std::ptr::null_mut();
         // SAFETY: valid handle; the returned struct may point into common_params (tensor

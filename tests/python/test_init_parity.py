@@ -321,3 +321,56 @@ def test_fit_on_the_cpu_sizes_the_context_as_upstream_does(tmp_path):
     assert up == st and st == (2048, []), (up, st)
     up, st = both(args + ["-fitc", "1024", "-fitt", "2048"], tmp_path, probe)
     assert up == st and st[0] == 4096 and any(">= 2048 MiB" in l for l in st[1]), (up, st)
+
+
+# ---- sampling defaults and --ignore-eos ------------------------------------------------------
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "xtc_probability", "xtc_threshold", "repeat_last_n",
+                 "repeat_penalty", "mirostat", "mirostat_tau", "mirostat_eta", "samplers", "ignore_eos")
+
+
+def with_sampling_defaults(w, fields) -> None:
+    w.add_sampling_sequence("penalties;top_k;top_p;min_p;temperature")
+    w.add_sampling_top_k(13)
+    w.add_sampling_top_p(0.75)
+    w.add_sampling_min_p(0.125)
+    w.add_sampling_temp(0.375)
+    w.add_sampling_penalty_last_n(32)
+    w.add_sampling_penalty_repeat(1.25)
+    w.add_sampling_xtc_probability(0.25)
+    w.add_sampling_xtc_threshold(0.3)
+
+
+def settings(s: Running) -> dict:
+    params = s.get("/props")["default_generation_settings"]["params"]
+    return {k: params[k] for k in SAMPLING_KEYS}
+
+
+def test_the_models_sampling_defaults_apply_under_the_command_lines(tmp_path):
+    model = copy_gguf(LLAMA, tmp_path / "sampling.gguf", with_sampling_defaults)
+    up, st = both(["-m", str(model), "-c", "1024", "-np", "1"], tmp_path, settings)
+    assert up == st
+    assert st["top_k"] == 13 and st["temperature"] == 0.375 and st["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+    up, st = both(["-m", str(model), "-c", "1024", "-np", "1", "--top-k", "3", "--temp", "0.5", "--samplers", "top_k;temperature"], tmp_path, settings)
+    assert up == st
+    assert st["top_k"] == 3 and st["temperature"] == 0.5 and st["top_p"] == 0.75 and st["samplers"] == ["top_k", "temperature"]
+
+
+def test_ignore_eos_bans_the_end_of_generation_as_upstream_does(tmp_path):
+    # a bias that makes </s> (token 2) the greedy choice: without --ignore-eos generation stops at once
+    args = base_args() + ["-l", "2+100"]
+    up, st = both(args, tmp_path, lambda s: (settings(s), s.tokens()))
+    assert up == st and st[1] == [2], st
+    up, st = both(args + ["--ignore-eos"], tmp_path, lambda s: (settings(s), s.tokens()))
+    assert up == st and len(st[1]) == 16 and 2 not in st[1], st
+
+
+def test_a_requests_ignore_eos_keeps_the_command_lines_logit_biases(tmp_path):
+    # the command line's bias makes token 13 the greedy choice; a request that only sets
+    # ignore_eos runs with it, and with its own logit_bias without it
+    def probe(s: Running):
+        return (s.tokens(ignore_eos=True), s.tokens(ignore_eos=True, logit_bias=[[14, 100]]),
+                s.tokens(ignore_eos=False))
+    up, st = both(base_args() + ["-l", "13+100"], tmp_path, probe)
+    assert up == st
+    assert set(st[0]) == {13} and set(st[1]) == {14} and set(st[2]) == {13}, st

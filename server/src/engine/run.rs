@@ -63,6 +63,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         }
     };
     let _ = shared.model.set(model.clone());
+    cfg.params.init_sampling(&model).map_err(|e| e.to_string())?;
     // /props shows a default-made task's settings: the server's sampling, nothing else of its
     // flags (no speculative types, no reasoning format, no -n)
     let base = TaskParams { reasoning_format: "none".into(), ..TaskParams::default() };
