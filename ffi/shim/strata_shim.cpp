@@ -1320,11 +1320,24 @@ strata_speculative * strata_speculative_init(strata_params * p, struct llama_con
             params.speculative.draft.ctx_tgt = ctx_tgt;
             params.speculative.draft.ctx_dft = s->init->context();
         }
-        s->spec = common_speculative_init(params.speculative, n_seq);
+        const bool synth = params.speculative.has_synth();
+        try {
+            s->spec = common_speculative_init(params.speculative, n_seq);
+        } catch (const std::exception & e) {
+            // As llama-server: a drafter that cannot start leaves the server without one, unless
+            // synthetic acceptance needs it.
+            LOG_ERR("srv  %12.*s: failed to initialize speculative decoding context: %s\n", 12, "load_model", e.what());
+            if (synth) {
+                params.speculative.draft.ctx_dft = nullptr;
+                delete s;
+                set_err(err, std::string("failed to initialize speculative decoding context: ") + e.what());
+                return nullptr;
+            }
+        }
         s->synth_rng.resize(n_seq);
         if (!s->spec) {
             // As llama-server: no drafter for these settings serves without speculative decoding.
-            const bool synth = params.speculative.has_synth();
+            params.speculative.draft.ctx_dft = nullptr;
             delete s;
             if (synth) {
                 set_err(err, "synthetic acceptance requires an initialized speculative decoding context");

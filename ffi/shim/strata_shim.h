@@ -194,7 +194,8 @@ typedef struct strata_speculative strata_speculative;
 
 // common_speculative_init over p's speculative settings for n_seq sequences; ctx_tgt is the
 // target context (MTP and draft models need it). Returns NULL with *err on failure, and NULL
-// without *err when the settings give no drafter (llama-server then serves without one).
+// without *err when the settings give no drafter or the drafter fails to start (logged, as
+// llama-server logs it and serves without one; with synthetic acceptance that is a failure).
 strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err);
 void                 strata_speculative_free(strata_speculative * s);
 bool                 strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt, char ** err);

@@ -374,3 +374,19 @@ def test_a_requests_ignore_eos_keeps_the_command_lines_logit_biases(tmp_path):
     up, st = both(base_args() + ["-l", "13+100"], tmp_path, probe)
     assert up == st
     assert set(st[0]) == {13} and set(st[1]) == {14} and set(st[2]) == {13}, st
+
+
+# ---- speculative decoding that fails to start ------------------------------------------------
+
+@pytest.mark.parametrize("flags, why", [
+    (["--spec-type", "draft-simple"], "draft-simple requires a draft context"),
+    (["-md", str(MODELS / "tiny-qwen3moe.gguf"), "--spec-type", "draft-simple"], "draft model vocab type must match target model to use speculation"),
+], ids=["no-draft-model", "other-vocabulary"])
+def test_a_drafter_that_fails_to_start_leaves_the_server_without_one(tmp_path, flags, why):
+    def probe(s: Running):
+        return s.tokens(), cmn_lines(s.log(), "failed to initialize speculative")
+    up, st = both(base_args() + flags, tmp_path, probe)
+    with serve("strata", base_args(), tmp_path) as s:
+        plain = s.tokens()
+    assert up == st and st[0] == plain
+    assert st[1] == [f"srv    load_model: failed to initialize speculative decoding context: {why}"]
