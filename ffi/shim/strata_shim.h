@@ -73,6 +73,32 @@ char * strata_params_default_json(char ** err);
 // llama_backend_init() and llama_numa_init(params.numa), as llama-server's main does.
 bool strata_backend_init(const strata_params * p, char ** err);
 
+// ---- model and context set-up ---------------------------------------------------------------
+
+// What common_init_from_params does besides making the model and context, for a server that
+// makes them itself.
+
+// --fit (on by default): common_fit_params over the model and context params (and a draft or MTP
+// context's), before the model loads; the fitted layer count, context size, split and overrides
+// go back into p. Returns common_params_fit_status (0 fitted, 1 could not fit, 2 error), -1 when
+// --fit is off, -2 with *err on an exception.
+int32_t strata_params_fit(strata_params * p, char ** err);
+
+// Once the model is loaded: its general.sampling.* defaults for the settings the command line
+// left alone, the end-of-generation logit biases, and --ignore-eos's use of them.
+bool strata_params_init_sampling(strata_params * p, const struct llama_model * model, char ** err);
+
+// --prio for the calling thread, and the CPU threadpools of -t/-C/-Cr/--cpu-strict/--poll (and
+// their -batch forms) attached to ctx; free them after the context.
+typedef struct strata_threadpools strata_threadpools;
+strata_threadpools * strata_threadpools_init(const strata_params * p, struct llama_context * ctx, char ** err);
+void                 strata_threadpools_free(strata_threadpools * t);
+
+// Once a context exists: the KV-shift check, control vectors, the reranking vocabulary checks
+// and the warm-up run, stopping where common_init_from_params returns early (a control vector
+// that does not load, a vocabulary that cannot rerank). False with *err on an exception.
+bool strata_context_setup(strata_params * p, struct llama_context * ctx, char ** err);
+
 // ---- chat templates -------------------------------------------------------------------------
 
 typedef struct strata_chat_templates strata_chat_templates;
@@ -174,7 +200,8 @@ typedef struct strata_speculative strata_speculative;
 
 // common_speculative_init over p's speculative settings for n_seq sequences; ctx_tgt is the
 // target context (MTP and draft models need it). Returns NULL with *err on failure, and NULL
-// without *err when the settings give no drafter (llama-server then serves without one).
+// without *err when the settings give no drafter or the drafter fails to start (logged, as
+// llama-server logs it and serves without one; with synthetic acceptance that is a failure).
 strata_speculative * strata_speculative_init(strata_params * p, struct llama_context * ctx_tgt, uint32_t n_seq, char ** err);
 void                 strata_speculative_free(strata_speculative * s);
 bool                 strata_speculative_begin(strata_speculative * s, llama_seq_id seq, const llama_token * prompt, int32_t n_prompt, char ** err);

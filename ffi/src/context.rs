@@ -3,6 +3,8 @@ use std::ptr::NonNull;
 use crate::batch::Batch;
 use crate::error::{DecodeError, FfiError, Result};
 use crate::model::{Model, Token};
+use crate::params::ServerParams;
+use crate::shim_string::call;
 use crate::sys;
 
 #[derive(Clone, Copy)]
@@ -47,21 +49,52 @@ impl Default for ContextParams {
     }
 }
 
+/// The most tokens llama.cpp's warm-up run decodes (BOS and EOS).
+const WARMUP_TOKENS: i64 = 2;
+
 /// A llama_context over a borrowed model. Owned by one thread at a time (the engine thread).
 pub struct Context<'m> {
     ptr: NonNull<sys::llama_context>,
     model: &'m Model,
+    /// The CPU threadpools attached to the context, freed after it.
+    threadpools: Option<NonNull<sys::strata_threadpools>>,
 }
 
 // SAFETY: a llama_context may be used from any thread as long as it is used by one at a time;
-// `&mut self` on every mutating call and the absence of Sync enforce that.
+// `&mut self` on every mutating call and the absence of Sync enforce that. Its threadpools are
+// reached only through it.
 unsafe impl Send for Context<'_> {}
 
 impl<'m> Context<'m> {
     pub fn new(model: &'m Model, params: ContextParams) -> Result<Self> {
         // SAFETY: valid model and params; null on failure.
         let ptr = unsafe { sys::llama_init_from_model(model.as_ptr(), params.raw) };
-        NonNull::new(ptr).map(|ptr| Self { ptr, model }).ok_or(FfiError::ContextInit)
+        NonNull::new(ptr).map(|ptr| Self { ptr, model, threadpools: None }).ok_or(FfiError::ContextInit)
+    }
+
+    /// What llama-server's common_init_from_params does once its context exists: --prio for
+    /// this thread and the CPU threadpools of the -t/-C/--cpu-strict/--poll flags (and their
+    /// -batch forms), then the KV-shift check, control vectors, the reranking vocabulary checks
+    /// and the warm-up run (--warmup). May clear `params`' ctx_shift and fill its control
+    /// vector layer range.
+    pub fn init_from_params(&mut self, params: &mut ServerParams) -> Result<()> {
+        if self.threadpools.is_none() {
+            let pools = call(|err| {
+                // SAFETY: valid params and context; the pools are freed after the context (Drop).
+                NonNull::new(unsafe { sys::strata_threadpools_init(params.as_ptr(), self.ptr.as_ptr(), err) })
+            })?;
+            self.threadpools = Some(pools);
+        }
+        // The warm-up is a batch (of BOS and EOS) to the expert tiers too: its routing is counted
+        // before the next batch decoded elsewhere overwrites it.
+        self.count_logged_routing();
+        crate::moe::before_decode(self.model.as_ptr() as usize, WARMUP_TOKENS);
+        let done = call(|err| {
+            // SAFETY: valid, exclusively borrowed params and context.
+            unsafe { sys::strata_context_setup(params.as_mut_ptr(), self.ptr.as_ptr(), err) }.then_some(())
+        });
+        self.count_logged_routing();
+        done
     }
 
     pub fn model(&self) -> &'m Model {
@@ -316,5 +349,9 @@ impl Drop for Context<'_> {
     fn drop(&mut self) {
         // SAFETY: we own the context and free it once, before the borrowed model.
         unsafe { sys::llama_free(self.ptr.as_ptr()) }
+        if let Some(pools) = self.threadpools.take() {
+            // SAFETY: the pools were attached to the context just freed and nothing else uses them.
+            unsafe { sys::strata_threadpools_free(pools.as_ptr()) }
+        }
     }
 }

@@ -38,7 +38,7 @@ pub use context::{Context, ContextParams, SeqRm, StateScope};
 pub use error::{DecodeError, FfiError, Result};
 pub use lora::LoraAdapter;
 pub use model::{Model, ModelParams, Token, Vocab};
-pub use params::{ParseOutcome, ServerParams};
+pub use params::{FitStatus, ParseOutcome, ServerParams};
 pub use router::{reserve_stdout, resolve_models, router_check_repo, router_download, router_models, router_remove_cached};
 pub use sampler::{logits_argmax, sampling_settings, Sampler};
 pub use speculative::Speculative;

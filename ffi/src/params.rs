@@ -14,6 +14,19 @@ pub struct ServerParams {
 // keeps a pointer to it, so moving it to another thread is sound.
 unsafe impl Send for ServerParams {}
 
+/// What --fit did (common_params_fit_status); its log lines say why.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FitStatus {
+    /// -fit off.
+    Off,
+    /// The params fit free device memory (possibly unchanged).
+    Fitted,
+    /// No params were found that fit; loading goes on with the closest.
+    NoFit,
+    /// The fit could not run (llama.cpp logged why); loading goes on unchanged.
+    Error,
+}
+
 pub enum ParseOutcome {
     Parsed(ServerParams),
     /// Upstream's message is already on stderr; upstream exits with status 1.
@@ -86,6 +99,31 @@ impl ServerParams {
             shim_string::take(unsafe { sys::strata_params_default_json(err) })
         })?;
         Ok(serde_json::from_str(&s)?)
+    }
+
+    /// --fit: fits the model and context params to free device memory (before the model loads)
+    /// and keeps the result for every context made from these params.
+    pub fn fit(&mut self) -> Result<FitStatus> {
+        let status = shim_string::call(|err| {
+            // SAFETY: valid, exclusively borrowed handle.
+            let s = unsafe { sys::strata_params_fit(self.as_mut_ptr(), err) };
+            (s != -2).then_some(s)
+        })?;
+        Ok(match status {
+            -1 => FitStatus::Off,
+            0 => FitStatus::Fitted,
+            1 => FitStatus::NoFit,
+            _ => FitStatus::Error,
+        })
+    }
+
+    /// The loaded model's sampling defaults (general.sampling.*) under the command line's, and
+    /// the end-of-generation logit biases (applied with --ignore-eos, and per request).
+    pub fn init_sampling(&mut self, model: &crate::Model) -> Result<()> {
+        shim_string::call(|err| {
+            // SAFETY: valid handle and model for the call; nothing keeps a pointer to the model.
+            unsafe { sys::strata_params_init_sampling(self.as_mut_ptr(), model.as_ptr(), err) }.then_some(())
+        })
     }
 
     pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {

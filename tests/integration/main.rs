@@ -13,6 +13,7 @@ mod gemm;
 mod gemma;
 mod hooks;
 mod http;
+mod init;
 mod ple;
 mod responses;
 mod router;

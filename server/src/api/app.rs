@@ -4,7 +4,7 @@ use crate::api::error::{ApiError, ErrorType};
 use crate::api::info::ServerInfo;
 use crate::engine::EngineHandle;
 use std::sync::{Arc, OnceLock};
-use strata_ffi::{ChatTemplates, Model, Token};
+use strata_ffi::{ChatTemplates, Model};
 
 #[derive(Clone)]
 pub struct App {
@@ -12,18 +12,11 @@ pub struct App {
     pub info: Arc<ServerInfo>,
     /// The model's chat templates, made on first use after loading.
     pub chat: Arc<OnceLock<Result<Arc<ChatTemplates>, String>>>,
-    eog: Arc<OnceLock<Vec<Token>>>,
 }
 
 impl App {
     pub fn new(engine: EngineHandle, info: ServerInfo) -> Self {
-        App { engine, info: Arc::new(info), chat: Arc::default(), eog: Arc::default() }
-    }
-
-    /// The model's end-of-generation tokens.
-    pub fn eog(&self, model: &Model) -> Vec<Token> {
-        let v = model.vocab();
-        self.eog.get_or_init(|| (0..v.n_tokens()).filter(|&t| v.is_eog(t)).collect()).clone()
+        App { engine, info: Arc::new(info), chat: Arc::default() }
     }
 }
 

@@ -127,12 +127,10 @@ pub fn message_delimiters(list: Option<&Value>, vocab: Vocab<'_>) -> Vec<(bool, 
 /// The request's fields for one task, evaluated by llama-server's schema (crate::api::request): a
 /// wrong type or a value past a hard limit is a 400 naming the field, as upstream answers.
 pub fn task_params(app: &App, model: &Model, body: &Map<String, Value>) -> Result<TaskParams, ApiError> {
-    let eog = app.eog(model);
     let schema_to_grammar = |s: &Value| strata_ffi::json_schema_to_grammar(s).map_err(|e| e.to_string());
     let check_chat_parser = |p: &str| strata_ffi::check_chat_parser(p).map_err(|e| e.to_string());
     let ctx = request::Context {
         vocab: Some(model.vocab()),
-        eog: &eog,
         n_parallel: app.info.n_parallel as i32,
         dry_base_default: app.info.sampling.get("dry_base").and_then(Value::as_f64).unwrap_or(1.75) as f32,
         schema_to_grammar: &schema_to_grammar,

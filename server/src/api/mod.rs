@@ -212,7 +212,6 @@ mod tests {
         let check_chat_parser = |_: &str| Ok(());
         let ctx = request::Context {
             vocab: None,
-            eog: &[],
             n_parallel: 4,
             dry_base_default: 1.75,
             schema_to_grammar: &schema_to_grammar,

@@ -154,8 +154,6 @@ pub const GRAMMAR_TOOL_CALLS: i64 = 3;
 /// What a field handler can see besides the request.
 pub struct Context<'a> {
     pub vocab: Option<Vocab<'a>>,
-    /// The model's end-of-generation tokens, banned when ignore_eos is set.
-    pub eog: &'a [Token],
     /// The server's -np (the bound of n_cmpl).
     pub n_parallel: i32,
     /// The server's --dry-base, which a dry_base below 1 falls back to.
@@ -512,14 +510,11 @@ fn logit_bias(ev: &mut Eval<'_>, body: &Map<String, Value>) -> Result<(), String
     Ok(())
 }
 
+/// The end-of-generation bans it brings are added by the shim, to the request's logit biases or,
+/// without any, to the server's (llama-server appends its logit_bias_eog to the inherited ones).
 fn ignore_eos(ev: &mut Eval<'_>, body: &Map<String, Value>) -> Result<(), String> {
     let on = get_bool(&body["ignore_eos"])?;
     ev.set("ignore_eos", json!(on));
-    if on {
-        let mut bias = ev.out.get("logit_bias").and_then(Value::as_array).cloned().unwrap_or_default();
-        bias.extend(ev.ctx.eog.iter().map(|&t| json!([t, false])));
-        ev.set("logit_bias", Value::Array(bias));
-    }
     Ok(())
 }
 
@@ -567,7 +562,7 @@ mod tests {
     fn eval_plain(body: Value) -> Result<Map<String, Value>, String> {
         let no_schema = |_: &Value| -> Result<String, String> { Ok("root ::= \"{}\"".into()) };
         let no_parser = |_: &str| -> Result<(), String> { Ok(()) };
-        let ctx = Context { vocab: None, eog: &[7], n_parallel: 4, dry_base_default: 1.75, schema_to_grammar: &no_schema, check_chat_parser: &no_parser };
+        let ctx = Context { vocab: None, n_parallel: 4, dry_base_default: 1.75, schema_to_grammar: &no_schema, check_chat_parser: &no_parser };
         eval(body.as_object().unwrap(), &ctx).map_err(|e| e.message)
     }
 

@@ -29,6 +29,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             crate::log::srv(level, "load_model", &line);
         }
     }
+    fit(&mut cfg)?;
     let prepared = match cfg.experts.as_ref().map(|e| crate::experts::prepare(e, &cfg.model_path, cfg.use_mmap)).transpose() {
         Ok(p) => p,
         Err(e) => {
@@ -62,6 +63,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         }
     };
     let _ = shared.model.set(model.clone());
+    cfg.params.init_sampling(&model).map_err(|e| e.to_string())?;
     // /props shows a default-made task's settings: the server's sampling, nothing else of its
     // flags (no speculative types, no reasoning format, no -n)
     let base = TaskParams { reasoning_format: "none".into(), ..TaskParams::default() };
@@ -121,6 +123,9 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             }
             placed = true;
         }
+        ctx.init_from_params(&mut cfg.params).map_err(|e| e.to_string())?;
+        // init_from_params turns the context shift off where the memory cannot shift, as upstream does
+        cfg.ctx_shift &= ctx.can_shift();
         let spec = match new_speculative(&mut cfg, &mut ctx) {
             Ok(s) => s,
             Err(e) => {
@@ -147,6 +152,20 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             None => return Ok(()),
         }
     }
+}
+
+/// --fit, before the model loads: llama.cpp sizes the layers on the GPU and the context to free
+/// device memory. Strata's expert tiers place the model themselves, so the fit stays out of
+/// their way.
+fn fit(cfg: &mut EngineConfig) -> Result<(), String> {
+    if cfg.experts.is_some() {
+        let on = cfg.params.to_json().map_err(|e| e.to_string())?["fit_params"].as_bool().unwrap_or(false);
+        if on {
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "--fit is skipped: the expert tiers size the model's use of GPU memory themselves");
+        }
+        return Ok(());
+    }
+    cfg.params.fit().map(|_| ()).map_err(|e| e.to_string())
 }
 
 /// What a wait for work ended with.
