@@ -360,6 +360,9 @@ static char * params_json(const strata_params * p) {
     j["video_timestamp_interval_ms"] = c.video_timestamp_interval_ms;
     j["video_ffmpeg_bin_dir"]        = c.video_ffmpeg_bin_dir;
     j["media_path"]                  = c.media_path;
+    // sampling on the backend and probabilistic draft verification, refused at start-up too
+    j["backend_sampling"]            = c.sampling.backend_sampling;
+    j["spec_draft_probabilistic"]    = c.speculative.draft.probabilistic;
     return dup_string(j.dump());
 }
 
