@@ -1,0 +1,124 @@
+"""Server flags and answers, differential: the same flags and requests to strata-server and to the
+pinned upstream llama-server (tools/build-upstream), on real GGUF models over loopback HTTP, one
+section per flag or answer."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import struct
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import servers
+
+httpx = pytest.importorskip("httpx")
+anthropic = pytest.importorskip("anthropic")
+
+REPO = Path(__file__).resolve().parents[2]
+STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
+MODELS = REPO / ".cache" / "models"
+GEMMA = MODELS / "gemma3-270m-q4_k_m.gguf"
+TINY = MODELS / "tiny-llama.gguf"
+FIM = MODELS / "tiny-llama-fim.gguf"
+BERT = MODELS / "tiny-bert-embd.gguf"
+QWEN = MODELS / "tiny-qwen3moe.gguf"
+
+
+def need(*paths: Path) -> None:
+    for p in (STRATA, UPSTREAM, *paths):
+        if not p.exists():
+            pytest.skip(f"{p} is not built (run tools/setup and tools/build-upstream)")
+
+
+@contextlib.contextmanager
+def started(binary: Path, args: list[str], log: Path | None = None):
+    stderr = open(log, "w") if log else subprocess.DEVNULL
+    proc, url = servers.start(binary, ["--host", "127.0.0.1", *args], stderr=stderr)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        if log:
+            stderr.close()
+
+
+@contextlib.contextmanager
+def both(args: list[str], tmp_path: Path | None = None):
+    """{"strata": url, "upstream": url}, the two servers started with the same flags (and their
+    logs under tmp_path when given)."""
+    log = (lambda name: tmp_path / f"{name}.log") if tmp_path else (lambda name: None)
+    with started(STRATA, args, log("strata")) as s, started(UPSTREAM, args, log("upstream")) as u:
+        yield {"strata": s, "upstream": u}
+
+
+def post(url: str, path: str, body) -> tuple[int, dict]:
+    r = httpx.post(url + path, json=body, timeout=300)
+    return r.status_code, r.json()
+
+
+def stream_events(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+# ---- -r / --reverse-prompt ---------------------------------------------------------------------
+
+
+def test_reverse_prompts_are_the_default_stop_strings(tmp_path):
+    need(GEMMA)
+    prompt = {"prompt": "Once upon a time", "n_predict": 24, "temperature": 0}
+    answers = {}
+    with both(["-m", str(GEMMA), "-c", "1024", "-np", "1", "-r", " town", "--reverse-prompt", "zzzz"]) as urls:
+        for name, url in urls.items():
+            answers[name] = [
+                post(url, "/completion", prompt)[1],
+                # empty stop strings are none of its own: the server's stay
+                post(url, "/completion", {**prompt, "stop": [None, []]})[1],
+                post(url, "/completion", {**prompt, "stop": ["never-said"]})[1],
+                post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story about a town."}],
+                                                   "max_tokens": 24, "temperature": 0})[1],
+                httpx.get(url + "/props").json()["default_generation_settings"],
+            ]
+    s, u = answers["strata"], answers["upstream"]
+    for a in s[:3]:
+        assert a["stop"] and a["generation_settings"]["stop"], a
+    assert s[0]["stop_type"] == "word" and s[0]["stopping_word"] == " town", s[0]
+    assert s[0]["generation_settings"]["stop"] == [" town", "zzzz"]
+    assert s[2]["generation_settings"]["stop"] == ["never-said"] and " town" in s[2]["content"]
+    for a, b in zip(s[:3], u[:3]):
+        assert (a["content"], a["stop_type"], a["stopping_word"], a["generation_settings"]["stop"]) == \
+            (b["content"], b["stop_type"], b["stopping_word"], b["generation_settings"]["stop"])
+    assert s[3]["choices"][0]["message"]["content"] == u[3]["choices"][0]["message"]["content"]
+    assert s[3]["choices"][0]["finish_reason"] == u[3]["choices"][0]["finish_reason"]
+    # /props shows the metrics form of the settings, which has no stop strings, upstream too
+    assert "stop" not in s[4]["params"] and s[4]["params"].keys() == u[4]["params"].keys()
+
+
+# ---- --cache-prompt / --no-cache-prompt ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--cache-prompt", "--no-cache-prompt"])
+def test_cache_prompt_default_comes_from_the_server(flag):
+    need(TINY)
+    body = {"prompt": "The quick brown fox jumps over the lazy dog " * 4, "n_predict": 4, "temperature": 0}
+    seen = {}
+    with both(["-m", str(TINY), "-c", "1024", "-np", "1", flag]) as urls:
+        for name, url in urls.items():
+            bodies = (body, body, {**body, "cache_prompt": True}, {**body, "cache_prompt": False})
+            runs = [post(url, "/completion", b)[1]["timings"] for b in bodies]
+            seen[name] = [(t["cache_n"], t["prompt_n"]) for t in runs]
+    assert seen["strata"] == seen["upstream"]
+    (_, n), second, asked, refused = seen["strata"]
+    assert second == ((n - 1, 1) if flag == "--cache-prompt" else (0, n))
+    assert asked == (n - 1, 1) and refused == (0, n), "a request's own cache_prompt wins"
