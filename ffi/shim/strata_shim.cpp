@@ -293,6 +293,7 @@ static char * params_json(const strata_params * p) {
         {"ctx_shift", c.ctx_shift},
         {"cont_batching", c.cont_batching},
         {"antiprompt", c.antiprompt},
+        {"special", c.special},
         {"cache_prompt", c.cache_prompt},
         {"chat_template", c.chat_template},
         {"use_jinja", c.use_jinja},

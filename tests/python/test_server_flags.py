@@ -105,6 +105,47 @@ def test_reverse_prompts_are_the_default_stop_strings(tmp_path):
     assert "stop" not in s[4]["params"] and s[4]["params"].keys() == u[4]["params"].keys()
 
 
+# ---- -sp / --special, and a task's preserved tokens ---------------------------------------------
+
+
+def special_answers(url: str) -> list[dict]:
+    ids = [t["id"] for t in post(url, "/tokenize", {"content": "<start_of_turn><end_of_turn>", "with_pieces": True})[1]["tokens"]]
+    start, end = ids
+    base = {"prompt": "Hello", "n_predict": 3, "temperature": 0, "n_probs": 2}
+    out = []
+    for body in (
+        {**base, "logit_bias": [[start, 100]]},
+        {**base, "logit_bias": [[start, 100]], "post_sampling_probs": True},
+        {**base, "logit_bias": [[start, 100]], "preserved_tokens": ["<start_of_turn>"]},
+        {**base, "logit_bias": [[end, 100]]},
+    ):
+        status, a = post(url, "/completion", body)
+        assert status == 200, a
+        probs = [(p["id"], p["token"], [(t["id"], t["token"]) for t in p.get("top_logprobs", p.get("top_probs", []))])
+                 for p in a["completion_probabilities"]]
+        out.append({"content": a["content"], "stop_type": a["stop_type"], "probs": probs})
+    chunks = stream_events(url, "/completion", {**base, "logit_bias": [[start, 100]], "stream": True})
+    out.append({"streamed": "".join(c["content"] for c in chunks)})
+    return out
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_special_tokens_and_preserved_tokens_render_as_upstream(special):
+    need(GEMMA)
+    flags = ["-sp"] if special else []
+    with both(["-m", str(GEMMA), "-c", "512", "-np", "1", *flags]) as urls:
+        s, u = special_answers(urls["strata"]), special_answers(urls["upstream"])
+    assert s == u
+    forced, post_sampling, preserved, eog, streamed = s
+    # a control token is text only with -sp, or when the task preserves it
+    assert forced["content"] == ("<start_of_turn>" * 3 if special else "")
+    assert streamed["streamed"] == forced["content"]
+    assert preserved["content"] == "<start_of_turn>" * 3
+    assert eog["content"] == ("<end_of_turn>" if special else "") and eog["stop_type"] == "eos"
+    top = post_sampling["probs"][0][2][0]
+    assert top[0] == post_sampling["probs"][0][0] and top[1] == ("<start_of_turn>" if special else "")
+
+
 # ---- --cache-prompt / --no-cache-prompt ---------------------------------------------------------
 
 

@@ -30,6 +30,8 @@ pub struct ServerConfig {
     pub speculative: SpeculativeConfig,
     pub n_cache_reuse: i32,
     pub lora_adapters: Vec<LoraConfig>,
+    /// -sp: generated special tokens are rendered as their text.
+    pub special: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,12 +115,14 @@ mod tests {
         assert_eq!(c.n_predict, -1);
         assert!(c.lora_adapters.is_empty());
         assert!(!c.speculative.enabled);
+        assert!(!c.special);
         let c = parsed(&["-m", "x.gguf", "--alias", "a,b", "-np", "3", "-b", "64", "--port", "9", "--sleep-idle-seconds", "5", "--load-mode", "none"]);
         assert_eq!(c.alias(), "a");
         assert_eq!((c.n_parallel, c.n_batch, c.port), (3, 64, 9));
         assert_eq!(c.sleep_idle(), Some(std::time::Duration::from_secs(5)));
         assert!(!c.load_mode.maps_the_file(), "{:?}", c.load_mode);
         assert_eq!(parsed(&["-m", "x.gguf"]).alias(), "x.gguf");
+        assert!(parsed(&["-sp"]).special);
     }
 
     #[test]

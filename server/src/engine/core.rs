@@ -17,6 +17,7 @@ use super::metrics::Metrics;
 use super::prompt_cache::PromptCache;
 use super::task::{Event, Job, LoraInfo, Partial, Progress, SlotAction, Task, Timings, TokenProbs};
 use crate::api::error::ApiError;
+use crate::cli::config::ServerConfig;
 use crate::experts::Residency;
 
 pub(super) struct Engine<'m> {
@@ -28,6 +29,8 @@ pub(super) struct Engine<'m> {
     pub(super) batch: Batch,
     pub(super) n_ctx_slot: usize,
     pub(super) n_predict_default: i32,
+    /// -sp: generated special tokens are sent as their text.
+    pub(super) special: bool,
     pub(super) sampler_argmax: bool,
     pub(super) ctx_shift: bool,
     pub(super) pending: VecDeque<Task>,
@@ -63,6 +66,7 @@ impl<'m> Engine<'m> {
         spec: Option<Speculative>,
         [seq_rm, draft_seq_rm]: [SeqRm; 2],
         cfg: &'m EngineConfig,
+        flags: &ServerConfig,
         shared: &'m Shared,
         adapters: &'m [LoraAdapter<'m>],
     ) -> Self {
@@ -149,6 +153,7 @@ impl<'m> Engine<'m> {
             batch,
             n_ctx_slot,
             n_predict_default: cfg.n_predict_default,
+            special: flags.special,
             sampler_argmax: cfg.sampler_argmax,
             ctx_shift,
             pending: VecDeque::new(),
@@ -387,6 +392,11 @@ impl Active {
             user_starts: Vec::new(),
             alora: None,
         }
+    }
+
+    /// Whether the task lists `token` among its preserved tokens (a chat template's markers).
+    pub(super) fn preserves(&self, token: Token) -> bool {
+        self.task.params.sampling.get("preserved_tokens").and_then(Value::as_array).is_some_and(|p| p.iter().any(|t| t.as_i64() == Some(token as i64)))
     }
 
     pub(super) fn timings(&self, n_cache: usize) -> Timings {
