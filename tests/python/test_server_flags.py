@@ -146,6 +146,53 @@ def test_special_tokens_and_preserved_tokens_render_as_upstream(special):
     assert top[0] == post_sampling["probs"][0][0] and top[1] == ("<start_of_turn>" if special else "")
 
 
+# ---- -nocb / --no-cont-batching -----------------------------------------------------------------
+
+
+def finishing_order(url: str, log: Path) -> list[str]:
+    """Which of a long generation (A) and a one-token request sent while A generates (B) the
+    server finishes first, from the order of its print_timings lines."""
+    first = threading.Event()
+    done = threading.Event()
+
+    def long_one():
+        body = {"prompt": "a", "n_predict": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/completion", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first.set()
+        done.set()
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    assert first.wait(120)
+    status, b = post(url, "/completion", {"prompt": "b", "n_predict": 1, "temperature": 0})
+    assert status == 200, b
+    t.join()
+    # llama.cpp's logger writes from a thread of its own: wait for both lines
+    deadline = time.monotonic() + 60
+    while True:
+        order = []
+        for line in log.read_text().splitlines():
+            m = re.search(r" eval time = .* / +(\d+) tokens", line)
+            if m and "prompt eval" not in line:
+                order.append("A" if int(m.group(1)) > 100 else "B")
+        if len(order) == 2 or time.monotonic() > deadline:
+            return order
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("cont_batching", [True, False])
+def test_no_cont_batching_keeps_prompts_out_of_generating_batches(tmp_path, cont_batching):
+    need(TINY)
+    flags = [] if cont_batching else ["-nocb"]
+    with both(["-m", str(TINY), "-c", "1024", "-np", "2", *flags], tmp_path) as urls:
+        orders = {name: finishing_order(url, tmp_path / f"{name}.log") for name, url in urls.items()}
+    assert orders["strata"] == orders["upstream"]
+    # with -nocb the second prompt waits until nothing generates; otherwise it joins at once
+    assert orders["strata"] == (["B", "A"] if cont_batching else ["A", "B"])
+
+
 # ---- --cache-prompt / --no-cache-prompt ---------------------------------------------------------
 
 

@@ -32,6 +32,8 @@ pub struct ServerConfig {
     pub lora_adapters: Vec<LoraConfig>,
     /// -sp: generated special tokens are rendered as their text.
     pub special: bool,
+    /// -cb / -nocb: prompts join batches that already hold generated tokens.
+    pub cont_batching: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -115,14 +117,15 @@ mod tests {
         assert_eq!(c.n_predict, -1);
         assert!(c.lora_adapters.is_empty());
         assert!(!c.speculative.enabled);
-        assert!(!c.special);
+        assert!(!c.special && c.cont_batching);
         let c = parsed(&["-m", "x.gguf", "--alias", "a,b", "-np", "3", "-b", "64", "--port", "9", "--sleep-idle-seconds", "5", "--load-mode", "none"]);
         assert_eq!(c.alias(), "a");
         assert_eq!((c.n_parallel, c.n_batch, c.port), (3, 64, 9));
         assert_eq!(c.sleep_idle(), Some(std::time::Duration::from_secs(5)));
         assert!(!c.load_mode.maps_the_file(), "{:?}", c.load_mode);
         assert_eq!(parsed(&["-m", "x.gguf"]).alias(), "x.gguf");
-        assert!(parsed(&["-sp"]).special);
+        let c = parsed(&["-sp", "-nocb"]);
+        assert!(c.special && !c.cont_batching);
     }
 
     #[test]

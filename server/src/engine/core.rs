@@ -31,6 +31,9 @@ pub(super) struct Engine<'m> {
     pub(super) n_predict_default: i32,
     /// -sp: generated special tokens are sent as their text.
     pub(super) special: bool,
+    /// -cb: prompts join batches that hold generated tokens (-nocb: they wait for a batch
+    /// of their own).
+    pub(super) cont_batching: bool,
     pub(super) sampler_argmax: bool,
     pub(super) ctx_shift: bool,
     pub(super) pending: VecDeque<Task>,
@@ -154,6 +157,7 @@ impl<'m> Engine<'m> {
             n_ctx_slot,
             n_predict_default: cfg.n_predict_default,
             special: flags.special,
+            cont_batching: flags.cont_batching,
             sampler_argmax: cfg.sampler_argmax,
             ctx_shift,
             pending: VecDeque::new(),

@@ -175,8 +175,14 @@ impl<'m> Engine<'m> {
         for (id, e) in failed {
             self.fail_slot(id, e);
         }
+        // -nocb: prompts wait for a step with no generated token to decode
+        let prompts_join = self.cont_batching || self.batch.is_empty();
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
+            if !prompts_join {
+                a.prompt_in_batch = false;
+                continue;
+            }
             let n_prompt = a.task.prompt.len();
             let lora_ok = batch_lora.as_ref().is_none_or(|l| *l == a.lora);
             if a.task.params.kind != TaskKind::Completion {
