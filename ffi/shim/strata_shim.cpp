@@ -295,6 +295,7 @@ static char * params_json(const strata_params * p) {
         {"antiprompt", c.antiprompt},
         {"special", c.special},
         {"cache_prompt", c.cache_prompt},
+        {"kv_unified_per_slot", c.kv_unified_per_slot},
         {"chat_template", c.chat_template},
         {"use_jinja", c.use_jinja},
         {"enable_chat_template", c.enable_chat_template},

@@ -210,3 +210,28 @@ def test_cache_prompt_default_comes_from_the_server(flag):
     (_, n), second, asked, refused = seen["strata"]
     assert second == ((n - 1, 1) if flag == "--cache-prompt" else (0, n))
     assert asked == (n - 1, 1) and refused == (0, n), "a request's own cache_prompt wins"
+
+
+# ---- --kv-unified-per-slot, and the cap at the training context ---------------------------------
+
+CAP_LINES = re.compile(r"(capping per-slot context.*|--kv-unified-per-slot \(\d+\) exceeds.*"
+                       r"|the slot context \(\d+\) exceeds.*)$")
+
+
+@pytest.mark.parametrize("args, n_ctx", [
+    (["--kv-unified-per-slot", "256"], 256),
+    (["-c", "512", "-np", "2", "--kv-unified-per-slot", "1024"], 256),
+    (["-c", "8192", "-np", "1"], 4096),
+])
+def test_slot_context_caps_as_upstream(tmp_path, args, n_ctx):
+    need(TINY)
+    with both(["-m", str(TINY), *args], tmp_path) as urls:
+        props = {name: httpx.get(url + "/props").json()["default_generation_settings"]["n_ctx"] for name, url in urls.items()}
+        meta = {name: httpx.get(url + "/v1/models").json()["data"][0]["meta"]["n_ctx"] for name, url in urls.items()}
+        too_long = {"prompt": [1] + [450] * n_ctx, "n_predict": 1}
+        errors = {name: post(url, "/completion", too_long) for name, url in urls.items()}
+    assert props == meta == {"strata": n_ctx, "upstream": n_ctx}
+    assert errors["strata"] == errors["upstream"] and errors["strata"][0] == 400
+    lines = {name: [m.group(1) for line in (tmp_path / f"{name}.log").read_text().splitlines() if (m := CAP_LINES.search(line))]
+             for name in urls}
+    assert lines["strata"] == lines["upstream"] and lines["strata"], lines

@@ -76,7 +76,8 @@ impl<'m> Engine<'m> {
         let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
-        let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
+        let n_ctx_seq = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
+        let n_ctx_slot = slot_context(n_ctx_seq, flags.kv_unified_per_slot, ctx.model().n_ctx_train());
         let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
         let ctx_shift = cfg.ctx_shift && ctx.can_shift();
         if cfg.ctx_shift && !ctx_shift {
@@ -253,7 +254,28 @@ impl<'m> Engine<'m> {
     }
 }
 
-/// A slot log line in llama-server's format: `slot <func>: id <slot> | task <task> | <msg>`.
+/// A slot's context as llama-server's n_ctx_slot gives it: the context's per-sequence size,
+/// capped by --kv-unified-per-slot (0: no cap) and by the model's training context; the caps
+/// are logged as llama-server's load_model does.
+pub(super) fn slot_context(n_ctx_seq: usize, per_slot: i32, n_ctx_train: i32) -> usize {
+    let per_slot = usize::try_from(per_slot).unwrap_or(0);
+    if per_slot > 0 && n_ctx_seq > per_slot {
+        crate::log::srv(Verbosity::Info, "load_model", &format!("capping per-slot context ({n_ctx_seq}) to --kv-unified-per-slot ({per_slot})"));
+    } else if per_slot > n_ctx_seq {
+        let msg = format!(
+            "--kv-unified-per-slot ({per_slot}) exceeds the per-slot pool capacity ({n_ctx_seq}) - cap has no effect, slots are limited to {n_ctx_seq} (raise the KV pool with -c, or unset -c to size it to n_parallel * kv_unified_per_slot)"
+        );
+        crate::log::srv(Verbosity::Warn, "load_model", &msg);
+    }
+    let capped = if per_slot > 0 { n_ctx_seq.min(per_slot) } else { n_ctx_seq };
+    let n_ctx_train = usize::try_from(n_ctx_train).unwrap_or(0);
+    if capped > n_ctx_train {
+        let msg = format!("the slot context ({capped}) exceeds the training context of the model ({n_ctx_train}) - capping");
+        crate::log::srv(Verbosity::Warn, "load_model", &msg);
+    }
+    capped.min(n_ctx_train)
+}
+
 /// A task's settings in the metrics form /slots shows.
 pub(super) fn metrics_settings(a: &Active) -> Value {
     let mut params = a.settings.as_deref().cloned().unwrap_or_default();
