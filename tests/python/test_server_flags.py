@@ -235,3 +235,38 @@ def test_slot_context_caps_as_upstream(tmp_path, args, n_ctx):
     lines = {name: [m.group(1) for line in (tmp_path / f"{name}.log").read_text().splitlines() if (m := CAP_LINES.search(line))]
              for name in urls}
     assert lines["strata"] == lines["upstream"] and lines["strata"], lines
+
+
+# ---- --ui-config / --ui-config-file ------------------------------------------------------------
+
+
+def start_and_exit(binary: Path, args: list[str]) -> tuple[int, str]:
+    r = subprocess.run([str(binary), "--host", "127.0.0.1", "--port", str(servers.free_port()), *args],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("how", ["--ui-config", "--ui-config-file"])
+def test_invalid_ui_config_stops_the_server_as_upstream(tmp_path, how):
+    need(TINY)
+    value = "{theme: dark"
+    if how == "--ui-config-file":
+        (tmp_path / "ui.json").write_text(value)
+        value = str(tmp_path / "ui.json")
+    results = {name: start_and_exit(binary, ["-m", str(TINY), "-c", "256", how, value])
+               for name, binary in (("strata", STRATA), ("upstream", UPSTREAM))}
+    why = {}
+    for name, (status, stderr) in results.items():
+        assert status == 1, (name, stderr)
+        m = re.search(r"srv          init: init: failed to parse UI config: (.*)", stderr)
+        assert m, (name, stderr)
+        why[name] = m.group(1)
+        assert "exiting due to model loading error" in stderr
+    assert why["strata"] == why["upstream"]
+
+
+def test_valid_ui_config_reaches_props():
+    need(TINY)
+    with both(["-m", str(TINY), "-c", "256", "--ui-config", '{"theme": "dark", "n": [1, 2]}']) as urls:
+        settings = {name: httpx.get(url + "/props").json()["ui_settings"] for name, url in urls.items()}
+    assert settings["strata"] == settings["upstream"] == {"theme": "dark", "n": [1, 2]}

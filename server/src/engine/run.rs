@@ -138,6 +138,12 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             }
         };
         let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, &flags, shared, &adapters);
+        // llama-server's init, once the slots are made, fails on a UI config that is no JSON
+        if let Some(why) = Some(&flags.ui_config_json).filter(|c| !c.is_empty()).and_then(|c| strata_ffi::json_parse_error(c.as_bytes())) {
+            let msg = format!("init: failed to parse UI config: {why}");
+            crate::log::srv(strata_ffi::Verbosity::Error, "init", &msg);
+            return Err(msg);
+        }
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);
