@@ -296,6 +296,7 @@ static char * params_json(const strata_params * p) {
         {"special", c.special},
         {"cache_prompt", c.cache_prompt},
         {"kv_unified_per_slot", c.kv_unified_per_slot},
+        {"path_prompts_log_dir", c.path_prompts_log_dir},
         {"chat_template", c.chat_template},
         {"use_jinja", c.use_jinja},
         {"enable_chat_template", c.enable_chat_template},

@@ -237,6 +237,61 @@ def test_slot_context_caps_as_upstream(tmp_path, args, n_ctx):
     assert lines["strata"] == lines["upstream"] and lines["strata"], lines
 
 
+# ---- --log-prompts-dir --------------------------------------------------------------------------
+
+PROMPT_LOG_REQUESTS = [
+    ("/completion", {"prompt": "Hello there", "n_predict": 2}),
+    ("/completion", {"prompt": [1, 15043, 727], "n_predict": 2, "stream": True}),
+    ("/completion", {"prompt": ["a", 338, "b\u0000hidden"], "n_predict": 2}),
+    ("/v1/completions", {"prompt": ["first", "séconde"], "max_tokens": 2}),
+    # refused by the schema after the prompt is written, as upstream does
+    ("/completion", {"prompt": "x", "n_predict": "many"}),
+    # no prompt: nothing is written
+    ("/completion", {"n_predict": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2}),
+    ("/infill", {"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "x", "n_predict": 2}),
+    ("/tokenize", {"content": "not a completion"}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+]
+
+
+def logged_prompts(url: str, logdir: Path) -> list[list[str]]:
+    out = []
+    for path, body in PROMPT_LOG_REQUESTS:
+        before = time.monotonic_ns() // 1_000_000
+        httpx.post(url + path, json=body, timeout=300).read()
+        after = time.monotonic_ns() // 1_000_000
+        files = sorted(logdir.iterdir())
+        for f in files:
+            # ggml's clock, CLOCK_MONOTONIC on Linux as Python's monotonic, in 12 digits
+            assert re.fullmatch(r"\d{12}\.txt", f.name), f.name
+            assert before <= int(f.stem) <= after, (f.name, before, after)
+        out.append([f.read_text() for f in files])
+        for f in files:
+            f.unlink()
+    return out
+
+
+def test_log_prompts_dir_writes_each_routes_prompt_as_upstream(tmp_path):
+    need(FIM)
+    logged = {}
+    for name, binary in (("strata", STRATA), ("upstream", UPSTREAM)):
+        logdir = tmp_path / name / "prompts"
+        with started(binary, ["-m", str(FIM), "-c", "1024", "-np", "1", "--log-prompts-dir", str(logdir)]) as url:
+            assert logdir.is_dir(), "the parser creates it"
+            logged[name] = logged_prompts(url, logdir)
+    assert logged["strata"] == logged["upstream"]
+    s = logged["strata"]
+    assert s[0] == ["Hello there"] and s[1] == ["[\n  1,\n  15043,\n  727\n]"]
+    assert s[2] == ['[\n  "a",\n  338,\n  "b\\u0000hidden"\n]'] and s[3] == ['[\n  "first",\n  "séconde"\n]']
+    assert s[4] == ["x"] and s[5] == []
+    assert all(len(files) == 1 and "Hi" in files[0] for files in s[6:9])
+    assert s[9][0].startswith("[\n  ") and s[10:] == [[], [], []]
+
+
 # ---- --ui-config / --ui-config-file ------------------------------------------------------------
 
 

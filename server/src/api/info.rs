@@ -40,6 +40,8 @@ pub struct ServerInfo {
     pub antiprompt: Vec<String>,
     /// --cache-prompt / --no-cache-prompt: a task's cache_prompt when it gives none.
     pub cache_prompt: bool,
+    /// --log-prompts-dir: where each completion's prompt is written ("": nowhere).
+    pub prompts_log_dir: String,
     pub n_batch: usize,
     pub n_predict: i64,
     /// --embeddings: the embedding routes answer (and --pooling / --embd-normalize for them).
@@ -101,6 +103,7 @@ impl ServerInfo {
             n_keep: cfg["n_keep"].as_i64().unwrap_or(0),
             antiprompt: strings(&cfg["antiprompt"]),
             cache_prompt: cfg["cache_prompt"].as_bool().unwrap_or(true),
+            prompts_log_dir: s("path_prompts_log_dir"),
             n_batch: cfg["n_batch"].as_u64().unwrap_or(2048) as usize,
             n_predict: cfg["n_predict"].as_i64().unwrap_or(-1),
             spm_infill: b("spm_infill"),

@@ -13,6 +13,7 @@ pub mod listen;
 pub mod middleware;
 pub mod native;
 pub mod oai;
+pub mod prompt_log;
 pub mod render;
 pub mod request;
 pub mod responses;
