@@ -325,3 +325,33 @@ def test_valid_ui_config_reaches_props():
     with both(["-m", str(TINY), "-c", "256", "--ui-config", '{"theme": "dark", "n": [1, 2]}']) as urls:
         settings = {name: httpx.get(url + "/props").json()["ui_settings"] for name, url in urls.items()}
     assert settings["strata"] == settings["upstream"] == {"theme": "dark", "n": [1, 2]}
+
+
+# ---- answers: Anthropic streamed usage, streamed /completion's prompt ----------------------------
+
+
+def anthropic_usage(url: str) -> list[tuple]:
+    client = anthropic.Anthropic(base_url=url, api_key="unused")
+    args = dict(model="any", max_tokens=4, extra_body={"temperature": 0}, system="Be brief.",
+                messages=[{"role": "user", "content": "Name a colour, then name another colour."}])
+    out = []
+    for stream in (False, True, False, True):
+        if stream:
+            with client.messages.stream(**args) as s:
+                start = next(e for e in s if e.type == "message_start").message.usage
+                for _ in s:
+                    pass
+            out.append(("stream", start.input_tokens, start.cache_read_input_tokens))
+        else:
+            u = client.messages.create(**args).usage
+            out.append(("plain", u.input_tokens, u.cache_read_input_tokens))
+    return out
+
+
+def test_streamed_anthropic_message_start_counts_the_cache():
+    need(QWEN)
+    with both(["-m", str(QWEN), "-c", "2048", "-np", "1", "--jinja"]) as urls:
+        usage = {name: anthropic_usage(url) for name, url in urls.items()}
+    assert usage["strata"] == usage["upstream"]
+    first, streamed = usage["strata"][0], usage["strata"][1]
+    assert streamed[2] > 0 and streamed[1] + streamed[2] == first[1], usage

@@ -321,7 +321,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
                             json!({"type": "message_start", "message": {
                                 "id": id, "type": "message", "role": "assistant", "content": [], "model": alias,
                                 "stop_reason": null, "stop_sequence": null,
-                                "usage": {"cache_read_input_tokens": 0, "input_tokens": p.n_prompt, "output_tokens": 0},
+                                "usage": {"cache_read_input_tokens": p.n_cached, "input_tokens": p.n_prompt - p.n_cached, "output_tokens": 0},
                             }}),
                         ));
                     }

@@ -550,6 +550,7 @@ mod tests {
             id_slot: 0,
             n_decoded,
             n_prompt: 4,
+            n_cached: 0,
             probs: None,
             timings: None,
             progress: progress.then_some(Progress { total: 4, cache: 0, processed: 4, time_ms: 1 }),

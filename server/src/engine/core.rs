@@ -462,6 +462,7 @@ impl Active {
             id_slot,
             n_decoded: self.n_decoded,
             n_prompt: self.task.prompt.len(),
+            n_cached: self.n_cached,
             probs: None,
             timings: p.timings_per_token.then(|| self.timings(n_cache)),
             progress: Some(Progress {

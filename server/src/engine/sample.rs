@@ -90,6 +90,7 @@ impl<'m> Engine<'m> {
                 id_slot: id,
                 n_decoded: a.n_decoded,
                 n_prompt,
+                n_cached: a.n_cached,
                 probs: probs.clone(),
                 timings: a.task.params.timings_per_token.then(|| a.timings(slot.cache.len())),
                 progress: None,
