@@ -355,3 +355,16 @@ def test_streamed_anthropic_message_start_counts_the_cache():
     assert usage["strata"] == usage["upstream"]
     first, streamed = usage["strata"][0], usage["strata"][1]
     assert streamed[2] > 0 and streamed[1] + streamed[2] == first[1], usage
+
+
+def test_streamed_completion_ends_with_the_prompt_text():
+    need(TINY)
+    body = {"prompt": "Hello <s> world", "n_predict": 3, "temperature": 0}
+    got = {}
+    with both(["-m", str(TINY), "-c", "256", "-np", "1"]) as urls:
+        for name, url in urls.items():
+            last = stream_events(url, "/completion", {**body, "stream": True})[-1]
+            plain = post(url, "/completion", body)[1]
+            got[name] = (last["stop"], last["prompt"], plain["prompt"])
+    assert got["strata"] == got["upstream"]
+    assert got["strata"][1] == got["strata"][2] != ""

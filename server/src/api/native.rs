@@ -85,9 +85,9 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
     let render = move |ev: &Event| match ev {
         Event::Partial(p) => vec![partial_json(p, post)],
         Event::Final(f) => {
-            // The prompt text is only in non-streamed answers, as llama-server does.
-            // the engine has checked the prompt's token ids by now
-            let prompt = if stream { String::new() } else { model.vocab().detokenize(&prompts[f.index / n_cmpl], false, true).unwrap_or_default() };
+            // the prompt read back, streamed or not, as llama-server does; the engine has checked
+            // its token ids by now
+            let prompt = model.vocab().detokenize(&prompts[f.index / n_cmpl], false, true).unwrap_or_default();
             let v = final_json_with_probs(f, &alias, &prompt, post);
             vec![select_fields(v, &fields)]
         }
