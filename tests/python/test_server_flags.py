@@ -368,3 +368,50 @@ def test_streamed_completion_ends_with_the_prompt_text():
             got[name] = (last["stop"], last["prompt"], plain["prompt"])
     assert got["strata"] == got["upstream"]
     assert got["strata"][1] == got["strata"][2] != ""
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+
+def decode(item: dict) -> list[float]:
+    e = item["embedding"]
+    if isinstance(e, str):
+        raw = base64.b64decode(e)
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    return e
+
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "embeddings are vectors",
+         "one two three four five six"]
+
+
+def float_and_base64(url: str) -> list[bool]:
+    same = []
+    for inputs in (TEXTS[:2], TEXTS[1:4], TEXTS[:1], TEXTS) * 3:
+        f = [decode(d) for d in post(url, "/v1/embeddings", {"input": inputs, "encoding_format": "float"})[1]["data"]]
+        b = [decode(d) for d in post(url, "/v1/embeddings", {"input": inputs, "encoding_format": "base64"})[1]["data"]]
+        same.append(f == b)
+    return same
+
+
+def test_base64_embeddings_decode_to_the_floats_as_upstream():
+    need(BERT)
+    with both(["-m", str(BERT), "--embeddings", "-c", "1024"]) as urls:
+        same = {name: float_and_base64(url) for name, url in urls.items()}
+    assert same["strata"] == same["upstream"] and all(same["strata"])
+
+
+@pytest.mark.parametrize("model", [BERT, GEMMA])
+def test_an_embedding_does_not_depend_on_its_batch(model):
+    need(model)
+    with started(STRATA, ["-m", str(model), "--embeddings", "--pooling", "mean", "-c", "2048"]) as url:
+        alone = {t: decode(post(url, "/v1/embeddings", {"input": t})[1]["data"][0]) for t in TEXTS}
+
+        def mixed(i: int) -> int:
+            inputs = [TEXTS[(i * 7 + k * 3) % len(TEXTS)] for k in range(1 + i % 4)]
+            data = post(url, "/v1/embeddings", {"input": inputs, "encoding_format": "base64" if i % 2 else "float"})[1]["data"]
+            return sum(decode(d) != alone[t] for t, d in zip(inputs, data))
+
+        with ThreadPoolExecutor(8) as pool:
+            differing = sum(pool.map(mixed, range(48)))
+    assert differing == 0
