@@ -116,3 +116,10 @@ pub(crate) fn proc_address(dev: sys::ggml_backend_dev_t, name: &CStr) -> Option<
     let p = unsafe { sys::ggml_backend_reg_get_proc_address(sys::ggml_backend_dev_backend_reg(dev), name.as_ptr()) };
     (!p.is_null()).then_some(p)
 }
+
+/// ggml's clock in milliseconds (ggml_time_ms: CLOCK_MONOTONIC on Linux), which llama-server
+/// names files by.
+pub fn time_ms() -> i64 {
+    // SAFETY: no preconditions; it reads the clock.
+    unsafe { sys::ggml_time_ms() }
+}

@@ -12,6 +12,7 @@ use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, task_params, tokenize_prompts};
 use crate::api::chat::{chat_prompt, fill_tool_call_ids};
 use crate::api::error::ApiError;
+use crate::api::prompt_log;
 use crate::api::render::collect_values;
 use crate::api::render::random_string;
 use crate::api::sse::{ping_interval, stream_response, Sse};
@@ -296,6 +297,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_openai(&body)?)?;
+    prompt_log::write(&app.info.prompts_log_dir, &json!(chat.prompt));
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
     let mut params = task_params(&app, &model, &chat.task_body)?;
     let id = format!("chatcmpl-{}", random_string());
@@ -319,7 +321,7 @@ pub async fn messages(AxState(app): AxState<App>, body: Bytes) -> Result<Respons
                             json!({"type": "message_start", "message": {
                                 "id": id, "type": "message", "role": "assistant", "content": [], "model": alias,
                                 "stop_reason": null, "stop_sequence": null,
-                                "usage": {"cache_read_input_tokens": 0, "input_tokens": p.n_prompt, "output_tokens": 0},
+                                "usage": {"cache_read_input_tokens": p.n_cached, "input_tokens": p.n_prompt - p.n_cached, "output_tokens": 0},
                             }}),
                         ));
                     }

@@ -137,7 +137,7 @@ pub fn task_params(app: &App, model: &Model, body: &Map<String, Value>) -> Resul
         check_chat_parser: &check_chat_parser,
     };
     let fields = request::eval(body, &ctx)?;
-    let mut params = params_from_fields(&fields, body, Some(model.vocab()), app.info.n_keep);
+    let mut params = params_from_fields(&fields, body, Some(model.vocab()), app.info.task_defaults());
     if params.reasoning_format.is_empty() {
         params.reasoning_format = app.info.reasoning_format.clone();
     }
@@ -148,10 +148,10 @@ pub fn task_params(app: &App, model: &Model, body: &Map<String, Value>) -> Resul
     Ok(params)
 }
 
-/// TaskParams from the schema's normalized `fields`; an absent field keeps the server's default
-/// (`n_keep_default` is --keep). `body` holds what the schema does not cover (id_slot, the chat
-/// template's message_delimiters).
-pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>, vocab: Option<Vocab<'_>>, n_keep_default: i64) -> TaskParams {
+/// TaskParams from the schema's normalized `fields`; an absent field keeps its value in `d`, the
+/// server's defaults (ServerInfo::task_defaults). `body` holds what the schema does not cover
+/// (id_slot, the chat template's message_delimiters).
+pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>, vocab: Option<Vocab<'_>>, d: TaskParams) -> TaskParams {
     let int = |k: &str, default: i64| fields.get(k).and_then(Value::as_i64).unwrap_or(default);
     let flag = |k: &str, default: bool| fields.get(k).and_then(Value::as_bool).unwrap_or(default);
     let mut sampling = Map::new();
@@ -170,12 +170,12 @@ pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>
         .and_then(Value::as_array)
         .map(|entries| entries.iter().map(|e| (e["id"].as_i64().unwrap_or(-1), e["scale"].as_f64().unwrap_or(0.0) as f32)).collect());
     let stop = fields.get("stop").and_then(Value::as_array).map(|a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect());
-    let d = TaskParams::default();
     TaskParams {
         message_delimiters: vocab.map(|v| message_delimiters(body.get("message_delimiters"), v)).unwrap_or_default(),
         lora,
         n_predict: int("n_predict", d.n_predict.into()) as i32,
-        stop: stop.unwrap_or_default(),
+        // no stop strings of its own (none, or only empty ones): the server's -r
+        stop: stop.unwrap_or_else(|| d.stop.clone()),
         stream: flag("stream", d.stream),
         cache_prompt: flag("cache_prompt", d.cache_prompt),
         id_slot: values::lenient(body, "id_slot", values::get_i32, d.id_slot),
@@ -185,7 +185,7 @@ pub fn params_from_fields(fields: &Map<String, Value>, body: &Map<String, Value>
         return_tokens: flag("return_tokens", d.return_tokens),
         ignore_eos: flag("ignore_eos", d.ignore_eos),
         t_max_predict_ms: int("t_max_predict_ms", d.t_max_predict_ms),
-        n_keep: int("n_keep", n_keep_default) as i32,
+        n_keep: int("n_keep", d.n_keep.into()) as i32,
         n_discard: int("n_discard", d.n_discard.into()) as i32,
         n_cache_reuse: int("n_cache_reuse", d.n_cache_reuse.into()) as i32,
         n_probs: int("n_probs", d.n_probs as i64).max(0) as usize,

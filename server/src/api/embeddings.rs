@@ -13,7 +13,7 @@ use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, tokenize_mixed, tokenize_prompts};
 use crate::api::error::{ApiError, ErrorType};
 use crate::api::render::collect_values;
-use crate::engine::{Event, TaskKind};
+use crate::engine::{Event, TaskKind, TaskParams};
 
 /// llama_pooling_type values.
 const POOLING_NONE: i64 = 0;
@@ -69,8 +69,7 @@ async fn run_embeddings(app: App, body: Bytes, mut oai: bool) -> Result<Response
         None => app.info.embd_normalize,
         Some(v) => v.as_i64().ok_or_else(|| ApiError::invalid("\"embd_normalize\" must be an integer"))? as i32,
     };
-    let mut params = crate::api::body::params_from_fields(&Map::new(), &Map::new(), None, 0);
-    params.kind = TaskKind::Embedding { normalize };
+    let params = TaskParams { kind: TaskKind::Embedding { normalize }, ..TaskParams::default() };
     let n = prompts.len();
     let rx = app.engine.submit(prompts, params)?;
     let results = collect_values(rx, n, |ev| match ev {
@@ -198,8 +197,7 @@ pub async fn rerank(State(app): State<App>, body: Bytes) -> Result<Response, Api
     }
     let top_n = body.get("top_n").and_then(Value::as_i64).unwrap_or(docs.len() as i64).max(0) as usize;
     let prompts = docs.iter().map(|d| rerank_prompt(&model, &query, d)).collect::<Result<Vec<_>, _>>()?;
-    let mut params = crate::api::body::params_from_fields(&Map::new(), &Map::new(), None, 0);
-    params.kind = TaskKind::Rerank;
+    let params = TaskParams { kind: TaskKind::Rerank, ..TaskParams::default() };
     let n = prompts.len();
     let rx = app.engine.submit(prompts, params)?;
     let ranks = collect_values(rx, n, |ev| match ev {

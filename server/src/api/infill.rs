@@ -11,6 +11,7 @@ use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, tokenize_mixed};
 use crate::api::error::{ApiError, ErrorType};
 use crate::api::native::run_completion;
+use crate::api::prompt_log;
 
 /// Separates extra chunks for models without a file-separator token ("\n\n--- snippet ---\n\n").
 const CHUNK_SEPARATOR: &str = "\n\n--- snippet ---\n\n";
@@ -93,6 +94,7 @@ pub async fn infill(AxState(app): AxState<App>, body: Bytes) -> Result<Response,
     let body = parse_body(&body)?;
     let limits = InfillLimits { n_batch: app.info.n_batch, n_predict: app.info.n_predict, n_ctx: app.engine.n_ctx_slot(), spm: app.info.spm_infill };
     let tokens = infill_tokens(model.vocab(), &body, &limits)?;
+    prompt_log::write(&app.info.prompts_log_dir, &serde_json::json!(tokens));
     run_completion(&app, model.clone(), &body, vec![tokens]).await
 }
 

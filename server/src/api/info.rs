@@ -6,6 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 use strata_ffi::Model;
 
+use crate::engine::TaskParams;
+
 /// Settings read once from the parsed flags.
 #[derive(Debug, Clone, Default)]
 pub struct ServerInfo {
@@ -34,6 +36,12 @@ pub struct ServerInfo {
     pub api_prefix: String,
     /// --keep: prompt tokens kept on a context shift.
     pub n_keep: i64,
+    /// -r: the stop strings of a task that gives none.
+    pub antiprompt: Vec<String>,
+    /// --cache-prompt / --no-cache-prompt: a task's cache_prompt when it gives none.
+    pub cache_prompt: bool,
+    /// --log-prompts-dir: where each completion's prompt is written ("": nowhere).
+    pub prompts_log_dir: String,
     pub n_batch: usize,
     pub n_predict: i64,
     /// --sse-ping-interval: seconds a stream may stay silent before a keep-alive comment.
@@ -95,6 +103,9 @@ impl ServerInfo {
             slot_save_path: s("slot_save_path"),
             api_prefix: s("api_prefix"),
             n_keep: cfg["n_keep"].as_i64().unwrap_or(0),
+            antiprompt: strings(&cfg["antiprompt"]),
+            cache_prompt: cfg["cache_prompt"].as_bool().unwrap_or(true),
+            prompts_log_dir: s("path_prompts_log_dir"),
             n_batch: cfg["n_batch"].as_u64().unwrap_or(2048) as usize,
             n_predict: cfg["n_predict"].as_i64().unwrap_or(-1),
             sse_ping_interval: cfg["sse_ping_interval"].as_i64().unwrap_or(30) as i32,
@@ -108,6 +119,11 @@ impl ServerInfo {
             reasoning_budget_message: s("reasoning_budget_message"),
             ui_settings: cfg["ui_config_json"].as_str().and_then(|s| serde_json::from_str(s).ok()).unwrap_or_else(|| json!({})),
         }
+    }
+
+    /// A completion task's parameters before its request sets any: the server's flags.
+    pub fn task_defaults(&self) -> TaskParams {
+        TaskParams { n_keep: self.n_keep as i32, stop: self.antiprompt.clone(), cache_prompt: self.cache_prompt, ..TaskParams::default() }
     }
 }
 
@@ -235,5 +251,20 @@ mod tests {
         for o in ["http://example.com", "http://localhost.evil.com", "http://127.0.0.2", "null", ""] {
             assert!(!origin_is_localhost(o), "{o}");
         }
+    }
+
+    fn info(args: &[&str]) -> ServerInfo {
+        let args: Vec<String> = std::iter::once("strata-server").chain(args.iter().copied()).map(String::from).collect();
+        let strata_ffi::ParseOutcome::Parsed(p) = strata_ffi::ServerParams::parse(&args, None).unwrap() else { panic!("flags rejected") };
+        ServerInfo::from_params(&p.to_json().unwrap(), String::new(), 1)
+    }
+
+    #[test]
+    fn reverse_prompts_and_cache_prompt_are_the_task_defaults() {
+        let d = info(&[]).task_defaults();
+        assert!(d.stop.is_empty() && d.cache_prompt);
+        let d = info(&["-r", "User:", "--reverse-prompt", "###", "--no-cache-prompt", "--keep", "3"]).task_defaults();
+        assert_eq!((d.stop, d.cache_prompt, d.n_keep), (vec!["User:".to_string(), "###".to_string()], false, 3));
+        assert!(info(&["--no-cache-prompt", "--cache-prompt"]).task_defaults().cache_prompt);
     }
 }

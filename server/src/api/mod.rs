@@ -13,6 +13,7 @@ pub mod listen;
 pub mod middleware;
 pub mod native;
 pub mod oai;
+pub mod prompt_log;
 pub mod render;
 pub mod request;
 pub mod responses;
@@ -109,7 +110,7 @@ mod tests {
     use crate::api::error::ErrorType;
     use crate::engine::generation::StopType;
     use crate::engine::Job;
-    use crate::engine::{Event, Final, State, Timings};
+    use crate::engine::{Event, Final, State, TaskParams, Timings};
     use axum::body::Body;
     use axum::body::Bytes;
     use axum::http::Request;
@@ -217,7 +218,7 @@ mod tests {
             schema_to_grammar: &schema_to_grammar,
             check_chat_parser: &check_chat_parser,
         };
-        let params = |body: Value| request::eval(body.as_object().unwrap(), &ctx).map(|f| params_from_fields(&f, &Map::new(), None, 0));
+        let params = |body: Value| request::eval(body.as_object().unwrap(), &ctx).map(|f| params_from_fields(&f, &Map::new(), None, TaskParams::default()));
         let p = params(body).unwrap();
         assert_eq!(p.sampling, json!({"top_k": 1, "temp": 0.0, "penalty_repeat": 1.100000023841858}));
         assert_eq!(p.n_predict, 7);
@@ -228,6 +229,15 @@ mod tests {
         assert_eq!(bad.message, "Field 'n_predict': [json.exception.type_error.302] type must be number, but is string");
         // llama-server ignores a stop that is neither a string nor an array
         assert!(params(json!({"stop": 3})).unwrap().stop.is_empty());
+
+        // the server's -r and --no-cache-prompt are the defaults a request may override
+        let info = ServerInfo { antiprompt: vec!["User:".into()], cache_prompt: false, n_keep: 5, ..Default::default() };
+        let with_server = |body: Value| params_from_fields(&request::eval(body.as_object().unwrap(), &ctx).unwrap(), &Map::new(), None, info.task_defaults());
+        let p = with_server(json!({}));
+        assert_eq!((p.stop, p.cache_prompt, p.n_keep), (vec!["User:".to_string()], false, 5));
+        assert_eq!(with_server(json!({"stop": [null, []]})).stop, ["User:"], "no effective stop string of its own");
+        assert_eq!(with_server(json!({"stop": ["END"], "cache_prompt": true})).stop, ["END"]);
+        assert!(with_server(json!({"cache_prompt": true})).cache_prompt);
     }
 
     async fn call_with(app: Router, req: Request<Body>) -> (StatusCode, axum::http::HeaderMap, Bytes) {

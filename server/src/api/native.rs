@@ -3,6 +3,7 @@
 
 use super::app::{loaded_model, App};
 use super::body::{flag, parse_body, parse_json, piece, task_params, tokenize_mixed, tokenize_prompts};
+use super::prompt_log;
 use super::render::{collect, final_json_with_probs, partial_json, select_fields};
 use super::request;
 use super::sse::{ping_interval, stream_response, Sse};
@@ -63,7 +64,9 @@ pub async fn health() -> Json<Value> {
 pub async fn completion(AxState(app): AxState<App>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
-    let prompts = tokenize_prompts(model.vocab(), body.at("prompt")?)?;
+    let prompt = body.at("prompt")?;
+    prompt_log::write(&app.info.prompts_log_dir, prompt);
+    let prompts = tokenize_prompts(model.vocab(), prompt)?;
     run_completion(&app, model, &body, prompts).await
 }
 
@@ -82,9 +85,9 @@ pub async fn run_completion(app: &App, model: Arc<Model>, body: &Map<String, Val
     let render = move |ev: &Event| match ev {
         Event::Partial(p) => vec![partial_json(p, post)],
         Event::Final(f) => {
-            // The prompt text is only in non-streamed answers, as llama-server does.
-            // the engine has checked the prompt's token ids by now
-            let prompt = if stream { String::new() } else { model.vocab().detokenize(&prompts[f.index / n_cmpl], false, true).unwrap_or_default() };
+            // the prompt read back, streamed or not, as llama-server does; the engine has checked
+            // its token ids by now
+            let prompt = model.vocab().detokenize(&prompts[f.index / n_cmpl], false, true).unwrap_or_default();
             let v = final_json_with_probs(f, &alias, &prompt, post);
             vec![select_fields(v, &fields)]
         }

@@ -13,6 +13,7 @@ use super::render::{now, random_string};
 use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, task_params, tokenize_prompts};
 use crate::api::error::ApiError;
+use crate::api::prompt_log;
 use crate::api::render::{add_progress, collect_values, final_json, probs_json, timings_json};
 use crate::api::sse::{ping_interval, stream_response, Sse};
 use crate::api::values;
@@ -51,7 +52,9 @@ pub async fn completions(AxState(app): AxState<App>, body: Bytes) -> Result<Resp
     // names are the schema's aliases), only the answer is shaped differently
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
-    let prompts = tokenize_prompts(model.vocab(), body.at("prompt")?)?;
+    let prompt = body.at("prompt")?;
+    prompt_log::write(&app.info.prompts_log_dir, prompt);
+    let prompts = tokenize_prompts(model.vocab(), prompt)?;
     let mut params = task_params(&app, &model, &body)?;
     let n = prompts.len() * params.n_cmpl;
     let id = format!("chatcmpl-{}", random_string());
@@ -153,6 +156,7 @@ pub async fn chat_completions(AxState(app): AxState<App>, body: Bytes) -> Result
     let verbose = body.get("verbose").and_then(Value::as_bool).unwrap_or(app.info.verbose);
     let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
     let chat = chat_prompt(&app, &model, body.into_map())?;
+    prompt_log::write(&app.info.prompts_log_dir, &json!(chat.prompt));
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
     let mut params = task_params(&app, &model, &chat.task_body)?;
     let n_choices = params.n_cmpl;

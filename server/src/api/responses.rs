@@ -13,6 +13,7 @@ use crate::api::app::{loaded_model, App};
 use crate::api::body::{parse_body, task_params, tokenize_prompts};
 use crate::api::chat::{chat_prompt, fill_tool_call_ids};
 use crate::api::error::ApiError;
+use crate::api::prompt_log;
 use crate::api::render::{add_progress, collect_values, timings_json};
 use crate::api::render::{now, random_string};
 use crate::api::sse::{ping_interval, stream_response, Sse};
@@ -428,6 +429,7 @@ pub async fn responses(AxState(app): AxState<App>, body: Bytes) -> Result<Respon
     let body = parse_body(&body)?;
     let model = loaded_model(&app.engine)?;
     let chat = chat_prompt(&app, &model, to_chat(&body)?)?;
+    prompt_log::write(&app.info.prompts_log_dir, &json!(chat.prompt));
     let prompt = tokenize_prompts(model.vocab(), &json!(chat.prompt))?.remove(0);
     let mut params = task_params(&app, &model, &chat.task_body)?;
     let alias = app.engine.model_alias().to_string();
@@ -548,6 +550,7 @@ mod tests {
             id_slot: 0,
             n_decoded,
             n_prompt: 4,
+            n_cached: 0,
             probs: None,
             timings: None,
             progress: progress.then_some(Progress { total: 4, cache: 0, processed: 4, time_ms: 1 }),

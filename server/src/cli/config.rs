@@ -30,6 +30,14 @@ pub struct ServerConfig {
     pub speculative: SpeculativeConfig,
     pub n_cache_reuse: i32,
     pub lora_adapters: Vec<LoraConfig>,
+    /// -sp: generated special tokens are rendered as their text.
+    pub special: bool,
+    /// -cb / -nocb: prompts join batches that already hold generated tokens.
+    pub cont_batching: bool,
+    /// --kv-unified-per-slot: most context one slot may use (0: no cap).
+    pub kv_unified_per_slot: i32,
+    /// --ui-config / --ui-config-file: JSON handed to the web UI ("": none).
+    pub ui_config_json: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,12 +121,17 @@ mod tests {
         assert_eq!(c.n_predict, -1);
         assert!(c.lora_adapters.is_empty());
         assert!(!c.speculative.enabled);
+        assert!(!c.special && c.cont_batching);
+        assert_eq!((c.kv_unified_per_slot, c.ui_config_json.as_str()), (0, ""));
         let c = parsed(&["-m", "x.gguf", "--alias", "a,b", "-np", "3", "-b", "64", "--port", "9", "--sleep-idle-seconds", "5", "--load-mode", "none"]);
         assert_eq!(c.alias(), "a");
         assert_eq!((c.n_parallel, c.n_batch, c.port), (3, 64, 9));
         assert_eq!(c.sleep_idle(), Some(std::time::Duration::from_secs(5)));
         assert!(!c.load_mode.maps_the_file(), "{:?}", c.load_mode);
         assert_eq!(parsed(&["-m", "x.gguf"]).alias(), "x.gguf");
+        let c = parsed(&["-sp", "-nocb", "--kv-unified-per-slot", "256", "--ui-config", "{x"]);
+        assert!(c.special && !c.cont_batching);
+        assert_eq!((c.kv_unified_per_slot, c.ui_config_json.as_str()), (256, "{x"));
     }
 
     #[test]

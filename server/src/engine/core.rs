@@ -17,6 +17,7 @@ use super::metrics::Metrics;
 use super::prompt_cache::PromptCache;
 use super::task::{Event, Job, LoraInfo, Partial, Progress, SlotAction, Task, Timings, TokenProbs};
 use crate::api::error::ApiError;
+use crate::cli::config::ServerConfig;
 use crate::experts::Residency;
 
 pub(super) struct Engine<'m> {
@@ -28,6 +29,11 @@ pub(super) struct Engine<'m> {
     pub(super) batch: Batch,
     pub(super) n_ctx_slot: usize,
     pub(super) n_predict_default: i32,
+    /// -sp: generated special tokens are sent as their text.
+    pub(super) special: bool,
+    /// -cb: prompts join batches that hold generated tokens (-nocb: they wait for a batch
+    /// of their own).
+    pub(super) cont_batching: bool,
     pub(super) sampler_argmax: bool,
     pub(super) ctx_shift: bool,
     pub(super) pending: VecDeque<Task>,
@@ -63,13 +69,15 @@ impl<'m> Engine<'m> {
         spec: Option<Speculative>,
         [seq_rm, draft_seq_rm]: [SeqRm; 2],
         cfg: &'m EngineConfig,
+        flags: &ServerConfig,
         shared: &'m Shared,
         adapters: &'m [LoraAdapter<'m>],
     ) -> Self {
         let metrics = shared.metrics.clone();
         let n_parallel = cfg.n_parallel.max(1);
         let n_ctx = ctx.n_ctx() as usize;
-        let n_ctx_slot = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
+        let n_ctx_seq = if cfg.kv_unified { n_ctx } else { n_ctx / n_parallel };
+        let n_ctx_slot = slot_context(n_ctx_seq, flags.kv_unified_per_slot, ctx.model().n_ctx_train());
         let batch = Batch::new(ctx.n_batch().max(1) as usize, 1);
         let ctx_shift = cfg.ctx_shift && ctx.can_shift();
         if cfg.ctx_shift && !ctx_shift {
@@ -149,6 +157,8 @@ impl<'m> Engine<'m> {
             batch,
             n_ctx_slot,
             n_predict_default: cfg.n_predict_default,
+            special: flags.special,
+            cont_batching: flags.cont_batching,
             sampler_argmax: cfg.sampler_argmax,
             ctx_shift,
             pending: VecDeque::new(),
@@ -244,7 +254,28 @@ impl<'m> Engine<'m> {
     }
 }
 
-/// A slot log line in llama-server's format: `slot <func>: id <slot> | task <task> | <msg>`.
+/// A slot's context as llama-server's n_ctx_slot gives it: the context's per-sequence size,
+/// capped by --kv-unified-per-slot (0: no cap) and by the model's training context; the caps
+/// are logged as llama-server's load_model does.
+pub(super) fn slot_context(n_ctx_seq: usize, per_slot: i32, n_ctx_train: i32) -> usize {
+    let per_slot = usize::try_from(per_slot).unwrap_or(0);
+    if per_slot > 0 && n_ctx_seq > per_slot {
+        crate::log::srv(Verbosity::Info, "load_model", &format!("capping per-slot context ({n_ctx_seq}) to --kv-unified-per-slot ({per_slot})"));
+    } else if per_slot > n_ctx_seq {
+        let msg = format!(
+            "--kv-unified-per-slot ({per_slot}) exceeds the per-slot pool capacity ({n_ctx_seq}) - cap has no effect, slots are limited to {n_ctx_seq} (raise the KV pool with -c, or unset -c to size it to n_parallel * kv_unified_per_slot)"
+        );
+        crate::log::srv(Verbosity::Warn, "load_model", &msg);
+    }
+    let capped = if per_slot > 0 { n_ctx_seq.min(per_slot) } else { n_ctx_seq };
+    let n_ctx_train = usize::try_from(n_ctx_train).unwrap_or(0);
+    if capped > n_ctx_train {
+        let msg = format!("the slot context ({capped}) exceeds the training context of the model ({n_ctx_train}) - capping");
+        crate::log::srv(Verbosity::Warn, "load_model", &msg);
+    }
+    capped.min(n_ctx_train)
+}
+
 /// A task's settings in the metrics form /slots shows.
 pub(super) fn metrics_settings(a: &Active) -> Value {
     let mut params = a.settings.as_deref().cloned().unwrap_or_default();
@@ -389,6 +420,11 @@ impl Active {
         }
     }
 
+    /// Whether the task lists `token` among its preserved tokens (a chat template's markers).
+    pub(super) fn preserves(&self, token: Token) -> bool {
+        self.task.params.sampling.get("preserved_tokens").and_then(Value::as_array).is_some_and(|p| p.iter().any(|t| t.as_i64() == Some(token as i64)))
+    }
+
     pub(super) fn timings(&self, n_cache: usize) -> Timings {
         Timings {
             cache_n: self.n_cached,
@@ -426,6 +462,7 @@ impl Active {
             id_slot,
             n_decoded: self.n_decoded,
             n_prompt: self.task.prompt.len(),
+            n_cached: self.n_cached,
             probs: None,
             timings: p.timings_per_token.then(|| self.timings(n_cache)),
             progress: Some(Progress {

@@ -11,6 +11,7 @@ use super::core::Engine;
 use super::core::{EngineConfig, Shared};
 use super::speculative::new_speculative;
 use super::task::{Job, LoraInfo, State, TaskParams};
+use crate::cli::config::ServerConfig;
 
 pub(super) fn run(cfg: EngineConfig, rx: mpsc::Receiver<Job>, state: watch::Sender<State>, shared: &Shared) {
     // Failed is sent only after everything the failed start made (contexts, GPU buffers) is freed:
@@ -24,6 +25,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     if let Err(e) = strata_ffi::init_backend(Some(&cfg.params)) {
         return Err(e.to_string());
     }
+    let flags = cfg.params.to_json().map_err(|e| e.to_string()).and_then(|v| ServerConfig::from_json(&v))?;
     if let Some(g) = cfg.gemm.as_ref() {
         for (level, line) in crate::gemm::start(g, cfg.main_gpu) {
             crate::log::srv(level, "load_model", &line);
@@ -140,7 +142,13 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
                 return Err(e.to_string());
             }
         };
-        let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, shared, &adapters);
+        let mut engine = Engine::new(ctx, spec, [seq_rm, draft_seq_rm], &cfg, &flags, shared, &adapters);
+        // llama-server's init, once the slots are made, fails on a UI config that is no JSON
+        if let Some(why) = Some(&flags.ui_config_json).filter(|c| !c.is_empty()).and_then(|c| strata_ffi::json_parse_error(c.as_bytes())) {
+            let msg = format!("init: failed to parse UI config: {why}");
+            crate::log::srv(strata_ffi::Verbosity::Error, "init", &msg);
+            return Err(msg);
+        }
         let _ = shared.n_ctx_slot.set(engine.n_ctx_slot);
         shared.sleeping.store(false, std::sync::atomic::Ordering::Relaxed);
         let _ = state.send(State::Ready);

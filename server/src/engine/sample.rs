@@ -33,6 +33,7 @@ impl<'m> Engine<'m> {
         let vocab = self.ctx.model().vocab();
         let n_ctx_slot = self.n_ctx_slot;
         let ctx_shift = self.ctx_shift;
+        let special = self.special;
         let slot = &mut self.slots[id];
         let a = slot.active.as_mut().unwrap();
         let now = Instant::now();
@@ -46,7 +47,8 @@ impl<'m> Engine<'m> {
         }
         a.n_decoded += 1;
         let is_eog = vocab.is_eog(token) && !a.task.params.ignore_eos;
-        let piece = vocab.token_to_piece(token, false);
+        // special tokens show with -sp, and the task's preserved tokens always, as in llama-server
+        let piece = vocab.token_to_piece(token, special || a.preserves(token));
         let probs = (a.task.params.n_probs > 0).then(|| {
             let n = a.task.params.n_probs.min(vocab.n_tokens() as usize);
             let (prob, ranked) = if a.task.params.post_sampling_probs {
@@ -54,7 +56,7 @@ impl<'m> Engine<'m> {
             } else {
                 softmax_top(self.ctx.logits_ith(i).unwrap_or(&[]), n, token)
             };
-            let top = ranked.iter().take(n).map(|&(t, p)| (t, vocab.token_to_piece(t, false), p)).collect();
+            let top = ranked.iter().take(n).map(|&(t, p)| (t, vocab.token_to_piece(t, special), p)).collect();
             TokenProbs { token, piece: Vec::new(), prob, top }
         });
         let sent = a.gen.push(&piece, is_eog);
@@ -88,6 +90,7 @@ impl<'m> Engine<'m> {
                 id_slot: id,
                 n_decoded: a.n_decoded,
                 n_prompt,
+                n_cached: a.n_cached,
                 probs: probs.clone(),
                 timings: a.task.params.timings_per_token.then(|| a.timings(slot.cache.len())),
                 progress: None,

@@ -94,11 +94,14 @@ impl<'m> Engine<'m> {
         // One batch decodes with one set of adapter scales; slots asking for others wait.
         let mut batch_lora: Option<Vec<f32>> = None;
         let mut failed = Vec::new();
+        // An embedding or rerank prompt is decoded alone: its sums run over the whole batch (attention,
+        // pooling) in SIMD lanes, so where it lands in the batch would change its rounding.
+        let alone = self.slots.iter().position(|s| s.cache.is_empty() && s.active.as_ref().is_some_and(|a| a.task.params.kind != TaskKind::Completion));
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             a.i_batch = None;
             // With more generating slots than -b, the rest wait for the next step.
-            if self.batch.len() >= capacity {
+            if self.batch.len() >= capacity || alone.is_some() {
                 continue;
             }
             if a.sampled.is_some() && batch_lora.as_ref().is_some_and(|l| *l != a.lora) {
@@ -175,21 +178,26 @@ impl<'m> Engine<'m> {
         for (id, e) in failed {
             self.fail_slot(id, e);
         }
+        // -nocb: prompts wait for a step with no generated token to decode
+        let prompts_join = alone.is_none() && (self.cont_batching || self.batch.is_empty());
         for slot in &mut self.slots {
             let Some(a) = slot.active.as_mut() else { continue };
             let n_prompt = a.task.prompt.len();
-            let lora_ok = batch_lora.as_ref().is_none_or(|l| *l == a.lora);
             if a.task.params.kind != TaskKind::Completion {
-                // the whole prompt in this batch, or wait for one with room
-                a.prompt_in_batch = lora_ok && slot.cache.is_empty() && self.batch.len() + n_prompt <= capacity;
+                // the whole prompt, which start_embedding has checked fits one ubatch
+                a.prompt_in_batch = alone == Some(slot.id);
                 if a.prompt_in_batch {
-                    batch_lora.get_or_insert_with(|| a.lora.clone());
-                    a.i_batch = Some(self.batch.len() as i32);
+                    batch_lora = Some(a.lora.clone());
+                    a.i_batch = Some(0);
                     for (pos, &t) in a.task.prompt.iter().enumerate() {
                         self.batch.add(t, pos as i32, &[slot.id as i32], true).expect("batch has room");
                         slot.cache.push(t);
                     }
                 }
+                continue;
+            }
+            if !prompts_join {
+                a.prompt_in_batch = false;
                 continue;
             }
             // an aLoRA's uncached prompt before its invocation goes without the adapter

@@ -226,6 +226,8 @@ pub struct Partial {
     pub id_slot: usize,
     pub n_decoded: usize,
     pub n_prompt: usize,
+    /// Prompt tokens taken from the cache rather than decoded.
+    pub n_cached: usize,
     pub probs: Option<TokenProbs>,
     pub timings: Option<Timings>,
     /// Set on prompt-progress chunks, which carry no token.
