@@ -84,7 +84,8 @@ fn build_llama(src: &Path) -> PathBuf {
         .define("LLAMA_BUILD_APP", "OFF")
         .define("LLAMA_BUILD_UI", "OFF")
         .define("LLAMA_USE_PREBUILT_UI", "OFF")
-        .define("LLAMA_OPENSSL", "OFF")
+        // HTTPS for -hf, -mu and the router's downloads, as llama-server's own default build has
+        .define("LLAMA_OPENSSL", "ON")
         .define("LLAMA_BUILD_NUMBER", pin_build(src))
         .define("CMAKE_INSTALL_RPATH", "$ORIGIN")
         // The pin is no git checkout: keep build-info from reporting Strata's own commit.

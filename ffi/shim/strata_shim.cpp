@@ -182,6 +182,7 @@ static void params_server_defaults(strata_params * p) {
         params.n_batch = params.n_ubatch;
     }
     if (params.n_parallel < 0) {
+        LOG_TRC("srv  %12.*s: n_parallel is set to auto, using n_parallel = 4 and kv_unified = true\n", 12, "llama_server");
         params.n_parallel = 4;
         params.kv_unified = true;
     }

@@ -83,7 +83,13 @@ fn run() -> ExitCode {
         return router::run_download(link, params);
     }
     log::srv(Verbosity::Info, "llama_server", "initializing ...");
-    if params.to_json().is_ok_and(|cfg| !router::is_router(&cfg)) {
+    if let Err(e) = strata_ffi::init_backend(Some(&params)) {
+        return fatal(&e.to_string());
+    }
+    // a router owns no device: it does not enumerate them
+    let is_router = params.to_json().is_ok_and(|cfg| router::is_router(&cfg));
+    params.print_info(!is_router);
+    if !is_router {
         if let Err(e) = strata_ffi::resolve_models(&mut params) {
             return fatal(&format!("failed to download model: {e}"));
         }
@@ -153,9 +159,7 @@ fn serve(
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
     let gcp = api::gcp::Gcp::from_env();
     let port = gcp.as_ref().and_then(|g| g.port).map_or(conf.port, i64::from);
-    let is_router = router::is_router(&cfg);
-    params.print_info(!is_router);
-    if is_router {
+    if router::is_router(&cfg) {
         return router::serve(&cfg, llama_args, router::own_flag_args(&strata), hosts, port);
     }
     let model_alias = conf.alias();
@@ -166,8 +170,15 @@ fn serve(
         anyhow::bail!("--parallel ({n_parallel}) must not exceed --batch-size ({n_batch})");
     }
 
+    // llama-server's order: the HTTP server's set-up, the security warning, then the bind
     let info = api::info::ServerInfo::from_params(&cfg, model_alias.clone(), n_parallel);
     api::listen::check_hosts(&hosts, port)?;
+    for _ in &hosts {
+        api::listen::log_tls(&cfg);
+        api::ui::check(&info)?;
+    }
+    let http = api::listen::Http::from_params(&cfg, n_parallel as i64);
+    let rt = http.runtime()?;
     if info.cors_origins == "*" && info.api_keys.is_empty() {
         log::srv(
             Verbosity::Warn,
@@ -176,12 +187,10 @@ fn serve(
         );
     }
     let tools = agent::tools::Tools::from_params(&cfg).context("tools setup failed")?;
-    api::ui::check(&info)?;
-    let http = match api::listen::Http::from_params(&cfg, n_parallel) {
+    let http = match http.with_tls(&cfg) {
         Ok(h) => h,
         Err(e) => return Err(api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
     };
-    let rt = http.runtime()?;
     rt.block_on(async move {
         let listeners = match api::listen::bind_all(&hosts, port, &http).await {
             Ok(l) => l,

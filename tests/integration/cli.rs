@@ -1,4 +1,6 @@
-use crate::support::{golden, model, run_server, Server};
+use std::path::{Path, PathBuf};
+
+use crate::support::{golden, model, repo, run_server, Server, SERVER};
 
 fn expect_golden(name: &str, args: &[&str]) {
     let out = run_server(args, &[]);
@@ -60,4 +62,77 @@ fn llama_arg_ctx_size_env_is_honoured() {
     assert!(body["error"]["message"].as_str().unwrap().contains("(512 tokens)"), "{body}");
     let (status, body) = server.post("/completion", &serde_json::json!({"prompt": "one two", "n_predict": 1}));
     assert_eq!(status, 200, "{body}");
+}
+
+fn upstream_server() -> PathBuf {
+    let bin = std::env::var_os("STRATA_UPSTREAM_SERVER").map(PathBuf::from).unwrap_or_else(|| repo().join("target/upstream/bin/llama-server"));
+    assert!(bin.exists(), "{} is missing: run tools/build-upstream (tools/test does)", bin.display());
+    bin
+}
+
+/// A log's text with its timestamps, JSONL times and the backends' directory blanked.
+fn blanked(b: &[u8]) -> String {
+    let times = regex::Regex::new(r#"\d+\.\d{2}\.\d{3}\.\d{3}|"time":\d+"#).unwrap();
+    let libs = regex::Regex::new(r"backend from \S+/").unwrap();
+    libs.replace_all(&times.replace_all(&String::from_utf8_lossy(b), "T"), "backend from DIR/").into_owned()
+}
+
+/// (status, stdout, stderr) of a run, blanked.
+fn run_blanked(bin: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(bin).args(args).output().unwrap();
+    (out.status.code().unwrap_or(-1), blanked(&out.stdout), blanked(&out.stderr))
+}
+
+/// Options llama.cpp's parser acts on before any server starts (listings, the completion
+/// script, removed options): the same output and exit status from both servers.
+#[test]
+fn exit_options_print_what_upstream_prints() {
+    for args in [
+        &["--completion-bash"][..],
+        &["--list-devices"],
+        &["-cl"],
+        &["--draft-min", "2"],
+        &["--spec-ngram-size-n", "4"],
+        &["--spec-ngram-size-m", "8"],
+        &["--spec-ngram-min-hits", "2"],
+    ] {
+        assert_eq!(run_blanked(Path::new(SERVER), args), run_blanked(&upstream_server(), args), "{args:?}");
+    }
+}
+
+/// The log options shape strata-server's own lines as they shape llama-server's: a start on a
+/// model that does not exist logs a dozen lines of both, then fails; each option gives the same
+/// output on the terminal and in --log-file, timestamps aside.
+#[test]
+fn log_options_shape_strata_lines_as_upstreams() {
+    let dir = std::env::temp_dir().join(format!("strata-log-options-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("server.log");
+    let file_arg = file.display().to_string();
+    let cases: [&[&str]; 9] = [
+        &[],
+        &["--log-disable"],
+        &["--no-log-prefix"],
+        &["--log-prefix", "--no-log-timestamps"],
+        &["--log-colors", "on"],
+        &["--log-jsonl"],
+        &["--log-file", &file_arg],
+        &["-lv", "1"],
+        &["-v"],
+    ];
+    for extra in cases {
+        let mut args = vec!["-m", "/nonexistent/model.gguf", "--port", "0"];
+        args.extend_from_slice(extra);
+        let [strata, upstream] = [PathBuf::from(SERVER), upstream_server()].map(|bin| {
+            let _ = std::fs::remove_file(&file);
+            let out = run_blanked(&bin, &args);
+            (out, blanked(&std::fs::read(&file).unwrap_or_default()))
+        });
+        assert_eq!(strata.0 .0, 1, "{extra:?}: {}", strata.0 .2);
+        assert_eq!(strata, upstream, "{extra:?}");
+        if extra.is_empty() {
+            assert!(strata.0 .2.contains("E srv  llama_server: exiting due to model loading error"), "{}", strata.0 .2);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

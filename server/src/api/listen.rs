@@ -20,8 +20,8 @@ pub struct Http {
     pub read_timeout: Duration,
     pub write_timeout: Duration,
     pub reuse_port: bool,
-    /// `--threads-http N` (N >= 1): the runtime's worker threads.
-    pub threads: Option<usize>,
+    /// The runtime's worker threads: `--threads-http`, or llama-server's default pool size.
+    pub threads: usize,
     /// Connections served at once: llama-server's HTTP pool grows to its threads + 1024 and
     /// queues the rest; here the rest wait to be accepted.
     pub connections: Arc<tokio::sync::Semaphore>,
@@ -29,35 +29,44 @@ pub struct Http {
 }
 
 impl Http {
-    /// The settings in the parsed parameters' JSON (`n_parallel`: the slots, 0 in router mode);
-    /// a bad key or certificate is an error.
-    pub fn from_params(cfg: &serde_json::Value, n_parallel: usize) -> Result<Self, crate::api::tls::TlsError> {
+    /// The settings in the parsed parameters' JSON (`n_parallel`: the slots, as llama-server
+    /// counts them in router mode too), without TLS: [`Self::with_tls`] reads its files.
+    pub fn from_params(cfg: &serde_json::Value, n_parallel: i64) -> Self {
         // llama-server's timeouts are whole seconds; 0 or less leaves a socket without one
         let secs = |key: &str| Duration::from_secs(cfg[key].as_u64().filter(|&s| s > 0).unwrap_or(u32::MAX as u64));
-        let path = |key: &str| cfg[key].as_str().unwrap_or("").to_string();
-        let threads = cfg["n_threads_http"].as_i64().filter(|&n| n >= 1).map(|n| n as usize);
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let pool = threads.unwrap_or_else(|| (n_parallel + 4).max(cpus.saturating_sub(1)));
-        Ok(Self {
+        // llama-server's pool: --threads-http, else the slots + 4 or the cores - 1, the larger
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as i64);
+        let threads = cfg["n_threads_http"].as_i64().filter(|&n| n >= 1).unwrap_or((n_parallel + 4).max(cpus - 1)).max(1) as usize;
+        Self {
             read_timeout: secs("timeout_read"),
             write_timeout: secs("timeout_write"),
             reuse_port: cfg["reuse_port"].as_bool().unwrap_or(false),
             threads,
-            connections: Arc::new(tokio::sync::Semaphore::new(pool + 1024)),
-            tls: crate::api::tls::acceptor(&path("ssl_file_key"), &path("ssl_file_cert"))?,
-        })
+            connections: Arc::new(tokio::sync::Semaphore::new(threads + 1024)),
+            tls: None,
+        }
+    }
+
+    /// TLS from `--ssl-key-file` and `--ssl-cert-file`; a bad key or certificate is an error.
+    pub fn with_tls(mut self, cfg: &serde_json::Value) -> Result<Self, crate::api::tls::TlsError> {
+        let path = |key: &str| cfg[key].as_str().unwrap_or("");
+        self.tls = crate::api::tls::acceptor(path("ssl_file_key"), path("ssl_file_cert"))?;
+        Ok(self)
     }
 
     /// The runtime that serves HTTP (and, in router mode, proxies).
     pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
-        let mut b = tokio::runtime::Builder::new_multi_thread();
-        if let Some(n) = self.threads {
-            b.worker_threads(n);
-        }
-        let rt = b.enable_all().build()?;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(self.threads).enable_all().build()?;
         crate::log::srv(strata_ffi::Verbosity::Trace, "init", &format!("using {} threads for HTTP server", rt.metrics().num_workers()));
         Ok(rt)
     }
+}
+
+/// What llama-server's set-up of each listener logs about TLS, before it reads the files.
+pub fn log_tls(cfg: &serde_json::Value) {
+    let (key, cert) = (cfg["ssl_file_key"].as_str().unwrap_or(""), cfg["ssl_file_cert"].as_str().unwrap_or(""));
+    let line = if key.is_empty() || cert.is_empty() { "running without SSL".to_string() } else { format!("running with SSL: key = {key}, cert = {cert}") };
+    crate::log::srv(strata_ffi::Verbosity::Trace, "init_listene", &line);
 }
 
 /// llama-server's check of `--host` and `--port` before it binds: several TCP addresses need a
@@ -218,7 +227,7 @@ mod tests {
             read_timeout: Duration::from_secs(60),
             write_timeout,
             reuse_port: false,
-            threads: None,
+            threads: 1,
             connections: Arc::new(tokio::sync::Semaphore::new(1)),
             tls: None,
         }

@@ -70,6 +70,10 @@ pub fn check(info: &ServerInfo) -> Result<(), UiError> {
     } else if !info.public_path.is_empty() && !Path::new(&info.public_path).is_dir() {
         crate::log::srv(strata_ffi::Verbosity::Error, "init_listene", &format!("static assets path not found: {}", info.public_path));
         return Err(UiError::PathNotFound(info.public_path.clone()));
+    } else if info.public_path.is_empty() {
+        for a in ASSETS.iter().filter(|a| NO_CACHE_NAMES.contains(&a.name)) {
+            crate::log::srv(strata_ffi::Verbosity::Debug, "init_listene", &format!("serve nocache for {}", a.name));
+        }
     }
     Ok(())
 }

@@ -29,8 +29,8 @@ pub enum Class {
     /// Start-up stops, naming the option, when the parsed parameters' `key` differs from its
     /// default.
     Refused { key: &'static str, why: &'static str },
-    /// llama-server does nothing with it either: the pin's line (`PATH:LINE` under the pin's
-    /// root) that shows it, with that line's text.
+    /// llama-server does nothing with it either: the pin's line (`PATH:LINE` in the unpatched
+    /// pin) that shows it, with that line's text.
     Inert { pin: &'static str, text: &'static str, why: &'static str },
 }
 
@@ -56,7 +56,7 @@ pub const TABLE: &[U] = &[
     U { option: "--cpu-strict", class: Honoured("test:tests/python/test_init_parity.py::test_cpu_masks_pin_the_compute_threads_as_upstream_does"), sample: &["--cpu-strict", "1"] },
     U { option: "--prio", class: Honoured("test:tests/python/test_init_parity.py::test_prio_lowers_the_compute_threads_as_upstream_does"), sample: &["--prio", "2"] },
     U { option: "--poll", class: Inert {
-            pin: "ggml/src/ggml-cpu/ggml-cpu.c:3185",
+            pin: "ggml/src/ggml-cpu/ggml-cpu.c:3176",
             text: "#ifndef GGML_USE_OPENMP",
             why: "ggml's threads poll only in builds without OpenMP, and both servers are built with it (GGML_OPENMP); strata-server hands the value to the same threadpool call",
         }, sample: &["--poll", "0"] },
@@ -65,7 +65,7 @@ pub const TABLE: &[U] = &[
     U { option: "--cpu-strict-batch", class: Honoured("test:tests/python/test_init_parity.py::test_batch_masks_pin_prompt_batches_and_the_single_token_masks_generation"), sample: &["--cpu-strict-batch", "1"] },
     U { option: "--prio-batch", class: Honoured("test:tests/python/test_init_parity.py::test_batch_masks_pin_prompt_batches_and_the_single_token_masks_generation"), sample: &["--prio-batch", "2"] },
     U { option: "--poll-batch", class: Inert {
-            pin: "ggml/src/ggml-cpu/ggml-cpu.c:3185",
+            pin: "ggml/src/ggml-cpu/ggml-cpu.c:3176",
             text: "#ifndef GGML_USE_OPENMP",
             why: "ggml's threads poll only in builds without OpenMP, and both servers are built with it (GGML_OPENMP); strata-server hands the value to the same threadpool call",
         }, sample: &["--poll-batch", "0"] },
@@ -511,7 +511,7 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/python/test_flags_upstream.py::test_lookup_caches_static_and_dynamic"),
         sample: &["--spec-type", "ngram-cache", "-lcd", "dynamic.bin"],
     },
-    U { option: "--kv-unified-per-slot", class: Honoured("pending:B"), sample: &["--kv-unified-per-slot", "256"] },
+    U { option: "--kv-unified-per-slot", class: Honoured("test:tests/python/test_server_flags.py::test_slot_context_caps_as_upstream"), sample: &["--kv-unified-per-slot", "256"] },
     U {
         option: "-ctxcp, --ctx-checkpoints, --swa-checkpoints",
         class: Honoured("test:tests/integration/checkpoints.rs::a_hybrid_model_resumes_a_shared_prefix_from_a_checkpoint"),
@@ -538,13 +538,13 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/engine.rs::context_shift_keeps_generating_past_a_full_context"),
         sample: &["--context-shift"],
     },
-    U { option: "-r, --reverse-prompt", class: Honoured("pending:B"), sample: &["-r", "User:"] },
-    U { option: "-sp, --special", class: Honoured("pending:B"), sample: &["-sp"] },
+    U { option: "-r, --reverse-prompt", class: Honoured("test:tests/python/test_server_flags.py::test_reverse_prompts_are_the_default_stop_strings"), sample: &["-r", "User:"] },
+    U { option: "-sp, --special", class: Honoured("test:tests/python/test_server_flags.py::test_special_tokens_and_preserved_tokens_render_as_upstream"), sample: &["-sp"] },
     U { option: "--warmup, --no-warmup", class: Honoured("test:tests/python/test_init_parity.py::test_warmup_runs_by_default_and_after_every_wake"), sample: &["--no-warmup"] },
     U { option: "--spm-infill", class: Honoured("test:tests/python/test_flags_upstream.py::test_skip_chat_parsing_and_spm_infill"), sample: &["--spm-infill"] },
     U { option: "--pooling", class: Honoured("context:pooling_type"), sample: &["--embeddings", "--pooling", "mean"] },
     U { option: "-np, --parallel", class: Honoured("context:n_seq_max"), sample: &["-np", "3"] },
-    U { option: "-cb, --cont-batching, -nocb, --no-cont-batching", class: Honoured("pending:B"), sample: &["-nocb"] },
+    U { option: "-cb, --cont-batching, -nocb, --no-cont-batching", class: Honoured("test:tests/python/test_server_flags.py::test_no_cont_batching_keeps_prompts_out_of_generating_batches"), sample: &["-nocb"] },
     U { option: "-mm, --mmproj", class: Refused { key: "mmproj", why: MULTIMODAL }, sample: &["-mm", "mmproj.gguf"] },
     U { option: "-mmu, --mmproj-url", class: Refused { key: "mmproj_url", why: MULTIMODAL }, sample: &["-mmu", "https://example.org/mmproj.gguf"] },
     U { option: "--mmproj-auto, --no-mmproj, --no-mmproj-auto", class: Refused { key: "mmproj", why: MULTIMODAL }, sample: &[] },
@@ -703,7 +703,7 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/python/test_http_flags.py::test_threads_http_sets_the_http_runtimes_workers"),
         sample: &["--threads-http", "4"],
     },
-    U { option: "--cache-prompt, --no-cache-prompt", class: Honoured("pending:B"), sample: &["--no-cache-prompt"] },
+    U { option: "--cache-prompt, --no-cache-prompt", class: Honoured("test:tests/python/test_server_flags.py::test_cache_prompt_default_comes_from_the_server"), sample: &["--no-cache-prompt"] },
     U {
         option: "--cache-reuse",
         class: Honoured("test:tests/integration/engine.rs::cache_reuse_shifts_a_shared_tail_into_place"),
@@ -824,7 +824,7 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/engine.rs::sleep_idle_seconds_frees_the_context_and_a_request_wakes_it"),
         sample: &["--sleep-idle-seconds", "1"],
     },
-    U { option: "--log-prompts-dir", class: Honoured("pending:B"), sample: &["--log-prompts-dir", "/tmp/prompts"] },
+    U { option: "--log-prompts-dir", class: Honoured("test:tests/python/test_server_flags.py::test_log_prompts_dir_writes_each_routes_prompt_as_upstream"), sample: &["--log-prompts-dir", "/tmp/prompts"] },
     U {
         option: "--embd-gemma-default",
         class: Honoured("test:tests/python/test_flags_upstream.py::test_preset_downloads_its_model_and_sets_its_parameters"),
@@ -974,12 +974,20 @@ mod tests {
         }
     }
 
+    /// The pin as published, before the patch series.
+    fn pristine() -> PathBuf {
+        let out = std::process::Command::new("bash").arg(repo().join("vendor/fetch")).arg("--pristine").output().unwrap();
+        assert!(out.status.success(), "vendor/fetch --pristine: {}", String::from_utf8_lossy(&out.stderr));
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    }
+
     #[test]
     fn every_inert_row_names_the_pins_line() {
+        let pin_root = pristine();
         for u in TABLE {
             let Class::Inert { pin, text, .. } = u.class else { continue };
             let (path, line) = pin.rsplit_once(':').unwrap();
-            let src = std::fs::read_to_string(repo().join("vendor/llama.cpp").join(path)).unwrap();
+            let src = std::fs::read_to_string(pin_root.join(path)).unwrap();
             let got = src.lines().nth(line.parse::<usize>().unwrap() - 1).unwrap_or_default();
             assert!(got.contains(text), "{}: {pin} is {got:?}, not {text:?}", u.option);
         }

@@ -26,6 +26,8 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         return Err(e.to_string());
     }
     let flags = cfg.params.to_json().map_err(|e| e.to_string()).and_then(|v| ServerConfig::from_json(&v))?;
+    crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &format!("loading model '{}'", cfg.model_path.display()));
+    crate::log::srv(strata_ffi::Verbosity::Trace, "load_model", &format!("local path '{}'", cfg.model_path.display()));
     if let Some(g) = cfg.gemm.as_ref() {
         for (level, line) in crate::gemm::start(g, cfg.main_gpu) {
             crate::log::srv(level, "load_model", &line);
@@ -60,6 +62,12 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     }
     let model = match cfg.params.model_params().and_then(|mparams| Model::load(&cfg.model_path, &mparams)) {
         Ok(m) => Arc::new(m),
+        Err(strata_ffi::FfiError::ModelLoad(_)) => {
+            // llama-server's two lines: common_init_from_params's, then the server's
+            let path = cfg.model_path.display();
+            crate::log::line(strata_ffi::Verbosity::Error, &format!("cmn  common_init_: failed to load model '{path}'"));
+            return Err(format!("failed to load model, '{path}'"));
+        }
         Err(e) => {
             return Err(e.to_string());
         }

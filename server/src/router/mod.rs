@@ -129,7 +129,10 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
 
     let tools = crate::agent::tools::Tools::from_params(cfg).context("tools setup failed")?;
     crate::api::listen::check_hosts(&hosts, port)?;
-    let http = match crate::api::listen::Http::from_params(cfg, 0) {
+    for _ in &hosts {
+        crate::api::listen::log_tls(cfg);
+    }
+    let http = match crate::api::listen::Http::from_params(cfg, cfg["n_parallel"].as_i64().unwrap_or(-1)).with_tls(cfg) {
         Ok(h) => h,
         Err(e) => return Err(crate::api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
     };
