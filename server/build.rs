@@ -8,6 +8,7 @@ fn main() {
     println!("cargo:rustc-link-arg=-Wl,-rpath,$ORIGIN:{lib_dir}");
 
     let repo = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).parent().unwrap().to_path_buf();
+    println!("cargo:rustc-env=STRATA_GIT_COMMIT={}", git_commit(&repo));
     let table = ui_table(&repo.join("target/ui"));
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("ui_assets.rs");
     std::fs::write(&out, table).unwrap_or_else(|e| panic!("{}: {e}", out.display()));
@@ -38,4 +39,20 @@ fn ui_table(ui: &Path) -> String {
     }
     table.push(']');
     table
+}
+
+/// The commit the binary is built from (12 hex digits), or "unknown" outside a git checkout;
+/// the build script runs again when HEAD moves.
+fn git_commit(repo: &Path) -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git").arg("-C").arg(repo).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let Some(commit) = git(&["rev-parse", "--short=12", "HEAD"]) else { return "unknown".into() };
+    for path in ["HEAD", "packed-refs"].iter().map(|p| git(&["rev-parse", "--git-path", p])).chain([git(&["symbolic-ref", "-q", "HEAD"]).and_then(|r| git(&["rev-parse", "--git-path", &r]))]).flatten() {
+        let p = if Path::new(&path).is_absolute() { PathBuf::from(&path) } else { repo.join(&path) };
+        if p.exists() {
+            println!("cargo:rerun-if-changed={}", p.display());
+        }
+    }
+    commit
 }

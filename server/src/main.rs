@@ -68,6 +68,10 @@ fn run() -> ExitCode {
         Ok(g) => g,
         Err(msg) => return fatal(&msg),
     };
+    if parse_args.iter().any(|a| a == "--version") {
+        // llama.cpp's parser prints the pin's version after this and exits
+        eprintln!("strata-server {} (commit {})", env!("CARGO_PKG_VERSION"), env!("STRATA_GIT_COMMIT"));
+    }
     let mut params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
         Ok(ParseOutcome::Parsed(p)) => p,
         Ok(ParseOutcome::Rejected) => return ExitCode::from(1),

@@ -39,9 +39,16 @@ fn bad_value_fails_like_upstream() {
     expect_golden("bad-value", &["--ctx-size", "abc"]);
 }
 
+/// Strata's version and commit, then the pin's text as llama-server prints it.
 #[test]
-fn version_is_upstreams() {
-    expect_golden("version", &["--version"]);
+fn version_is_strata_then_upstreams() {
+    let out = run_server(&["--version"], &[]);
+    assert_eq!(out.status.to_string(), golden("llama-server/version.status").trim());
+    let (first, rest) = out.stderr.split_once('\n').unwrap();
+    let strata = regex::Regex::new(r"^strata-server \d+\.\d+\.\d+ \(commit ([0-9a-f]{12}|unknown)\)$").unwrap();
+    assert!(strata.is_match(first), "{first}");
+    assert_eq!(rest, golden("llama-server/version.stderr"));
+    assert_eq!(out.stdout, golden("llama-server/version.stdout"));
 }
 
 #[test]

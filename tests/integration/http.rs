@@ -30,6 +30,14 @@ fn tokenize_and_detokenize_round_trip() {
     assert_eq!(status, 400);
     let (status, body) = server.post("/completion", &json!({"prompt": "Hi", "n_predict": 2}));
     assert_eq!(status, 200, "the server must keep answering after bad input: {body}");
+
+    // /props names the pin's build, then Strata's version and the commit it was built from
+    let (_, props) = server.get("/props");
+    let head = std::process::Command::new("git").args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "--short=12", "HEAD"]).output().unwrap();
+    let commit = if head.status.success() { String::from_utf8_lossy(&head.stdout).trim().to_string() } else { "unknown".into() };
+    let want = format!(" strata-server-{}-{commit}", env!("CARGO_PKG_VERSION"));
+    let build = props["build_info"].as_str().unwrap();
+    assert!(build.starts_with("b11434-") && build.ends_with(&want), "{build} (want ...{want})");
 }
 
 /// The infill prompt (FIM layout, truncation, extra context) equals the pinned llama-server's for

@@ -203,6 +203,11 @@ pub struct ModelProps {
 }
 
 /// llama-server's /props; `settings` is a default task's (EngineHandle::default_settings).
+/// /props' build_info: the pin's build, then Strata's version and commit.
+pub fn build_info() -> String {
+    format!("{} strata-server-{}-{}", strata_ffi::build_info(), env!("CARGO_PKG_VERSION"), env!("STRATA_GIT_COMMIT"))
+}
+
 pub fn props(info: &ServerInfo, n_ctx_slot: usize, m: &ModelProps, settings: Value, is_sleeping: bool) -> Value {
     let mut v = json!({
         "default_generation_settings": {"params": settings, "n_ctx": n_ctx_slot},
@@ -221,7 +226,7 @@ pub fn props(info: &ServerInfo, n_ctx_slot: usize, m: &ModelProps, settings: Val
         "chat_template_caps": m.chat_template_caps,
         "bos_token": m.bos,
         "eos_token": m.eos,
-        "build_info": strata_ffi::build_info(),
+        "build_info": build_info(),
         "is_sleeping": is_sleeping,
         "cors_proxy_enabled": info.ui_mcp_proxy,
     });

@@ -42,7 +42,7 @@ pub const TABLE: &[U] = &[
         class: Honoured("test:tests/integration/cli.rs::help_is_upstreams_followed_by_the_strata_section"),
         sample: &["--help"],
     },
-    U { option: "--version", class: Honoured("test:tests/integration/cli.rs::version_is_upstreams"), sample: &["--version"] },
+    U { option: "--version", class: Honoured("test:tests/integration/cli.rs::version_is_strata_then_upstreams"), sample: &["--version"] },
     U { option: "-cl, --cache-list", class: Honoured("test:tests/integration/cli.rs::exit_options_print_what_upstream_prints"), sample: &["-cl"] },
     U {
         option: "--completion-bash",

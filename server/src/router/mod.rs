@@ -117,7 +117,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         "model_path": "none",
         "default_generation_settings": {"params": null, "n_ctx": 0},
         "ui_settings": ui_settings,
-        "build_info": strata_ffi::build_info(),
+        "build_info": crate::api::info::build_info(),
         "cors_proxy_enabled": cfg["ui_mcp_proxy"].as_bool().unwrap_or(false),
     });
     let info = ServerInfo::from_params(cfg, String::new(), 0);
