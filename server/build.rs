@@ -45,10 +45,22 @@ fn ui_table(ui: &Path) -> String {
 /// the build script runs again when HEAD moves.
 fn git_commit(repo: &Path) -> String {
     let git = |args: &[&str]| {
-        std::process::Command::new("git").arg("-C").arg(repo).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(repo)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let Some(commit) = git(&["rev-parse", "--short=12", "HEAD"]) else { return "unknown".into() };
-    for path in ["HEAD", "packed-refs"].iter().map(|p| git(&["rev-parse", "--git-path", p])).chain([git(&["symbolic-ref", "-q", "HEAD"]).and_then(|r| git(&["rev-parse", "--git-path", &r]))]).flatten() {
+    for path in ["HEAD", "packed-refs"]
+        .iter()
+        .map(|p| git(&["rev-parse", "--git-path", p]))
+        .chain([git(&["symbolic-ref", "-q", "HEAD"]).and_then(|r| git(&["rev-parse", "--git-path", &r]))])
+        .flatten()
+    {
         let p = if Path::new(&path).is_absolute() { PathBuf::from(&path) } else { repo.join(&path) };
         if p.exists() {
             println!("cargo:rerun-if-changed={}", p.display());

@@ -145,3 +145,24 @@ def test_threads_http_sets_the_http_runtimes_workers():
             servers.stop(proc)
         err = proc.stderr.read()
         assert f"srv          init: using {n} threads for HTTP server" in err, err[-3000:]
+
+
+def events(name: str, body: dict) -> list:
+    proc, url = servers.start(binary(name), ["-m", str(MODEL), "-c", "1024", "-np", "1"])
+    try:
+        lines = stream_lines(int(url.rsplit(":", 1)[1]), body)
+    finally:
+        servers.stop(proc)
+    keys = ("index", "content", "tokens", "stop", "id_slot", "tokens_predicted", "tokens_evaluated", "stop_type", "prompt")
+    return [None if (d := json.loads(line[6:])) is None else {k: d.get(k) for k in keys}
+            for line in lines if line.startswith(b"data: ")]
+
+
+def test_a_multi_prompt_stream_is_upstreams_event_for_event():
+    # partial results carry id_slot -1, a later prompt's start is "data: null", the final
+    # results carry the prompt's text
+    body = {"prompt": ["Hi", "The quick brown fox"], "n_predict": 2, "stream": True, "temperature": 0}
+    strata, upstream = events("strata", body), events("upstream", body)
+    assert strata == upstream
+    assert None in strata and {e["id_slot"] for e in strata if e and not e["stop"]} == {-1}
+    assert [e["prompt"] for e in strata if e and e["stop"]] == ["<bos>Hi", "<bos>The quick brown fox"]

@@ -105,7 +105,13 @@ pub fn parse_json(bytes: &[u8]) -> Result<Value, String> {
 
 /// A request body, parsed as [`parse_json`] does.
 pub fn parse_body(bytes: &Bytes) -> Result<Body, ApiError> {
-    match parse_json(bytes).map_err(ApiError::invalid)? {
+    let parsed = parse_json(bytes).map_err(|e| {
+        let e = ApiError::invalid(e);
+        // llama-server's handlers throw here, and its wrapper logs what it answers
+        crate::log::srv(strata_ffi::Verbosity::Warn, "operator()", &format!("got exception: {}", e.body()));
+        e
+    })?;
+    match parsed {
         Value::Object(map) => Ok(Body { map, kind: "object" }),
         other => Ok(Body { map: Map::new(), kind: values::type_name(&other) }),
     }

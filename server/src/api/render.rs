@@ -8,7 +8,6 @@ use crate::api::error::ApiError;
 use crate::engine::{Event, Final, Partial, Timings, TokenProbs};
 use serde_json::{json, Map, Value};
 use strata_ffi::Token;
-use tokio::sync::mpsc;
 
 pub fn timings_json(t: &Timings) -> Value {
     let mut v = json!({
@@ -77,7 +76,8 @@ pub fn partial_json_base(p: &Partial) -> Value {
         "content": p.content,
         "tokens": p.tokens,
         "stop": false,
-        "id_slot": p.id_slot,
+        // llama-server's partial results never carry their slot
+        "id_slot": -1,
         "tokens_predicted": p.n_decoded,
         "tokens_evaluated": p.n_prompt,
     });
@@ -144,7 +144,7 @@ pub fn final_json_with_probs(f: &Final, model: &str, prompt: &str, post_sampling
 }
 
 /// Waits for every task's final event and returns their rendered JSON, in prompt order.
-pub async fn collect_values(mut rx: mpsc::UnboundedReceiver<Event>, n: usize, mut render: impl FnMut(&Event) -> Vec<Value>) -> Result<Vec<Value>, ApiError> {
+pub async fn collect_values(mut rx: crate::engine::Results, n: usize, mut render: impl FnMut(&Event) -> Vec<Value>) -> Result<Vec<Value>, ApiError> {
     let mut results: Vec<Option<Value>> = vec![None; n];
     while results.iter().any(Option::is_none) {
         match rx.recv().await.ok_or_else(|| ApiError::server("engine dropped the request"))? {
@@ -164,7 +164,7 @@ pub async fn collect_values(mut rx: mpsc::UnboundedReceiver<Event>, n: usize, mu
 }
 
 /// The answer for one prompt, or an array for several, as llama-server gives them.
-pub async fn collect(rx: mpsc::UnboundedReceiver<Event>, n: usize, render: impl FnMut(&Event) -> Vec<Value>) -> Result<Response, ApiError> {
+pub async fn collect(rx: crate::engine::Results, n: usize, render: impl FnMut(&Event) -> Vec<Value>) -> Result<Response, ApiError> {
     let mut results = collect_values(rx, n, render).await?;
     Ok(Json(if n == 1 { results.remove(0) } else { Value::Array(results) }).into_response())
 }

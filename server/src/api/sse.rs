@@ -8,7 +8,6 @@ use axum::response::Response;
 use serde_json::{json, Map, Value};
 use std::future::Future as _;
 use std::time::Duration;
-use tokio::sync::mpsc;
 
 /// Streams events as llama-server does: the first is awaited (an error there is a plain HTTP
 /// error), the rest go out as SSE `data:` lines until every task has finished; an error
@@ -44,7 +43,7 @@ const PING: &str = ":\n\n";
 /// `ping`: after the first event, a stream that stays silent that long sends [`PING`], and
 /// again after each further such wait, as llama-server's streams do.
 pub async fn stream_response(
-    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut rx: crate::engine::Results,
     n_tasks: usize,
     mut render: impl FnMut(&Event) -> Vec<Value> + Send + 'static,
     style: Sse,
@@ -62,6 +61,7 @@ pub async fn stream_response(
         if finished {
             return std::task::Poll::Ready(None);
         }
+        let first_event = next.is_some();
         let ev = match next.take() {
             Some(ev) => ev,
             None => match rx.poll_recv(cx) {
@@ -91,6 +91,8 @@ pub async fn stream_response(
                 sse_write(&mut out, style, &err);
                 finished = true;
             }
+            // a later task's start: llama-server writes its empty result as JSON null
+            Event::Begin if !first_event && matches!(style, Sse::Plain | Sse::OpenAi) => out.push_str("data: null\n\n"),
             other => {
                 for v in render(other) {
                     sse_write(&mut out, style, &v);

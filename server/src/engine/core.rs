@@ -83,7 +83,15 @@ impl<'m> Engine<'m> {
         if cfg.ctx_shift && !ctx_shift {
             crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "ctx_shift is not supported by this context, it will be disabled");
         }
+        crate::log::srv(
+            Verbosity::Info,
+            "load_model",
+            &format!("initializing, n_slots = {n_parallel}, n_ctx_slot = {n_ctx_slot}, kv_unified = '{}'", cfg.kv_unified),
+        );
         let now = Instant::now();
+        for id in 0..n_parallel {
+            crate::log::slot(Verbosity::Trace, "load_model", id, -1, &format!("new slot, n_ctx = {n_ctx_slot}"));
+        }
         let slots = (0..n_parallel)
             .map(|id| Slot {
                 id,
@@ -91,6 +99,7 @@ impl<'m> Engine<'m> {
                 draft_stale: false,
                 lora: Vec::new(),
                 last_used: now,
+                t_last_used: -1,
                 active: None,
                 checkpoints: Vec::new(),
                 adapter_from: 0,
@@ -113,6 +122,7 @@ impl<'m> Engine<'m> {
                 let limit = if mib < 0 { "no limit".to_string() } else { format!("{mib} MiB") };
                 crate::log::srv(Verbosity::Trace, "load_model", &format!("prompt cache is enabled, size limit: {limit}"));
                 crate::log::srv(Verbosity::Trace, "load_model", "use `--cache-ram 0` to disable the prompt cache");
+                crate::log::srv(Verbosity::Trace, "load_model", "for more info see https://github.com/ggml-org/llama.cpp/pull/16391");
                 Some(PromptCache::new(mib, n_ctx))
             }
         };
@@ -441,16 +451,16 @@ impl Active {
     /// is gone.
     /// At the slot's start: a streamed task's first event, the 0% progress chunk with
     /// return_progress, else Begin. False when the client has gone.
-    pub(super) fn begin(&self, id_slot: usize, n_cache: usize) -> bool {
+    pub(super) fn begin(&self, n_cache: usize) -> bool {
         let p = &self.task.params;
         match (p.stream, p.return_progress) {
-            (true, true) => self.send_progress(id_slot, n_cache),
+            (true, true) => self.send_progress(n_cache),
             (true, false) => self.task.events.send(Event::Begin).is_ok(),
             (false, _) => true,
         }
     }
 
-    pub(super) fn send_progress(&self, id_slot: usize, n_cache: usize) -> bool {
+    pub(super) fn send_progress(&self, n_cache: usize) -> bool {
         let p = &self.task.params;
         if !(p.stream && p.return_progress) {
             return true;
@@ -459,7 +469,6 @@ impl Active {
             index: self.task.index,
             content: String::new(),
             tokens: Vec::new(),
-            id_slot,
             n_decoded: self.n_decoded,
             n_prompt: self.task.prompt.len(),
             n_cached: self.n_cached,
@@ -485,6 +494,8 @@ pub(super) struct Slot {
     /// Adapter scales `cache` was computed with.
     pub(super) lora: Vec<f32>,
     pub(super) last_used: Instant,
+    /// llama-server's t_last_used (ggml's clock, us) as its log shows it: -1 until first used.
+    pub(super) t_last_used: i64,
     pub(super) active: Option<Active>,
     /// Context checkpoints of `cache`, oldest first.
     pub(super) checkpoints: Vec<Checkpoint>,

@@ -18,18 +18,18 @@ impl<'m> Engine<'m> {
         let n_ubatch = self.ctx.n_ubatch() as usize;
         if n_prompt > n_ubatch {
             let msg = format!("input ({n_prompt} tokens) is too large to process. increase the physical batch size (current batch size: {n_ubatch})");
-            let _ = task.events.send(Event::Error(ApiError::server(msg)));
+            task.send_error(ApiError::server(msg));
             return;
         }
         if n_prompt > self.n_ctx_slot {
             let msg = format!("input ({n_prompt} tokens) is larger than the max context size ({} tokens). skipping", self.n_ctx_slot);
-            let _ = task.events.send(Event::Error(ApiError::new(ErrorType::ExceedContextSize, msg)));
+            task.send_error(ApiError::new(ErrorType::ExceedContextSize, msg));
             return;
         }
         let sampler = match Sampler::new(self.ctx.model(), Some(self.params), &Value::Null) {
             Ok(s) => s,
             Err(e) => {
-                let _ = task.events.send(Event::Error(ApiError::server(e.to_string())));
+                task.send_error(ApiError::server(e.to_string()));
                 return;
             }
         };

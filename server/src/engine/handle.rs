@@ -68,7 +68,7 @@ impl EngineHandle {
 
     /// Queues one task per prompt; the events of all arrive on the returned channel, each
     /// tagged with its prompt's index. Dropping the receiver cancels them all.
-    pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    pub fn submit(&self, prompts: Vec<Vec<Token>>, params: TaskParams) -> Result<Results, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
         let n_cmpl = params.n_cmpl.max(1);
         let n_tasks = prompts.len() * n_cmpl;
@@ -81,6 +81,7 @@ impl EngineHandle {
             e
         })?;
         let mut sent = 0;
+        let mut ids = Vec::with_capacity(n_tasks);
         for (p, prompt) in prompts.into_iter().enumerate() {
             for j in 0..n_cmpl {
                 let mut params = params.clone();
@@ -91,6 +92,7 @@ impl EngineHandle {
                     }
                 }
                 let id = self.next_task_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                ids.push(id);
                 let task = Task { id, index: p * n_cmpl + j, prompt: prompt.clone(), params, events: events.clone() };
                 if let Err(e) = self.tx.try_send(Job::Task(Box::new(task))) {
                     self.admission.leave(n_tasks - sent);
@@ -102,7 +104,7 @@ impl EngineHandle {
                 sent += 1;
             }
         }
-        Ok(rx)
+        Ok(Results { rx, ids, finished: 0, stopped: false })
     }
 
     /// Wakes a sleeping engine and waits until its context is back, as any request that
@@ -226,5 +228,51 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         default_settings,
         admission,
         residency,
+    }
+}
+
+/// The events of one request's tasks, read as llama-server's response reader reads them: an
+/// error, or a reader dropped before every task has finished (a client gone), cancels all of the
+/// request's tasks with its log lines. The engine drops a task once nobody reads its events.
+pub struct Results {
+    rx: mpsc::UnboundedReceiver<Event>,
+    ids: Vec<u64>,
+    finished: usize,
+    stopped: bool,
+}
+
+impl Results {
+    pub async fn recv(&mut self) -> Option<Event> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    pub fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
+        let polled = self.rx.poll_recv(cx);
+        match &polled {
+            std::task::Poll::Ready(Some(Event::Final(_) | Event::Embedding(_))) => self.finished += 1,
+            std::task::Poll::Ready(Some(Event::Error(_))) => self.stop(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn stop(&mut self) {
+        if self.stopped {
+            return;
+        }
+        self.stopped = true;
+        if self.finished < self.ids.len() {
+            for id in &self.ids {
+                crate::log::srv(strata_ffi::Verbosity::Warn, "stop", &format!("cancel task, id_task = {id}"));
+            }
+        } else {
+            crate::log::srv(strata_ffi::Verbosity::Debug, "stop", "all tasks already finished, no need to cancel");
+        }
+    }
+}
+
+impl Drop for Results {
+    fn drop(&mut self) {
+        self.stop();
     }
 }

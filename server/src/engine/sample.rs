@@ -87,7 +87,6 @@ impl<'m> Engine<'m> {
                 index: a.task.index,
                 content: String::from_utf8_lossy(&text).into_owned(),
                 tokens: vec![token],
-                id_slot: id,
                 n_decoded: a.n_decoded,
                 n_prompt,
                 n_cached: a.n_cached,
@@ -149,7 +148,7 @@ impl<'m> Engine<'m> {
             settings: a.settings.clone().unwrap_or_default(),
         };
         if let (Err(e), true) = (&a.settings, a.task.params.settings_in_answer) {
-            let _ = a.task.events.send(Event::Error(ApiError::server(e.clone())));
+            a.task.send_error(ApiError::server(e.clone()));
             return false;
         }
         let _ = a.task.events.send(Event::Final(Box::new(fin)));

@@ -80,8 +80,14 @@ impl<'m> Engine<'m> {
     /// The idle slot for a task, and whether its cache should go through the prompt cache
     /// first: the slot asked for, else the one whose cache shares the most of the prompt (above
     /// the similarity threshold), else the least recently used (llama-server's
-    /// get_available_slot).
+    /// get_available_slot, with its log line).
     pub(super) fn pick_slot(&self, task: &Task) -> Option<(usize, bool)> {
+        let picked = self.choose_slot(task)?;
+        crate::log::slot(Verbosity::Info, "get_availabl", picked.0, -1, &picked.2);
+        Some((picked.0, picked.1))
+    }
+
+    fn choose_slot(&self, task: &Task) -> Option<(usize, bool, String)> {
         let asked = (task.params.id_slot != -1).then(|| self.slot_by_id(task.params.id_slot)).flatten();
         if let Some(id) = asked {
             self.slots.get(id).filter(|s| s.active.is_none())?;
@@ -98,15 +104,24 @@ impl<'m> Engine<'m> {
                 .rev()
                 .max_by_key(|&(_, n)| n);
             if let Some((s, n)) = similar {
+                let f_keep = n as f32 / s.cache.len() as f32;
+                let why = match asked {
+                    Some(id) => format!("selected slot by id ({id})"),
+                    None => format!(
+                        "selected slot by LCP similarity, f_sim_best = {:.3} (> {:.3} thold), f_keep = {f_keep:.3}",
+                        n as f32 / n_prompt,
+                        self.slot_prompt_similarity
+                    ),
+                };
                 // about to lose much of the slot's context: keep a copy in the prompt cache
-                return Some((s.id, (n as f32) / (s.cache.len() as f32) < 0.5));
+                return Some((s.id, f_keep < 0.5, why));
             }
         }
         if let Some(id) = asked {
-            return Some((id, false));
+            return Some((id, false, format!("selected slot by id ({id})")));
         }
         // of equally old slots the last, as llama-server's `<=` scan picks it
-        idle.rev().min_by_key(|s| s.last_used).map(|s| (s.id, true))
+        idle.rev().min_by_key(|s| s.last_used).map(|s| (s.id, true, format!("selected slot by LRU, t_last = {}", s.t_last_used)))
     }
 
     /// Saves slot `id`'s sequence to the prompt cache, then restores the cached prompt that
@@ -190,6 +205,7 @@ impl<'m> Engine<'m> {
     pub(super) fn release(&mut self, id: usize) -> Option<Active> {
         let slot = &mut self.slots[id];
         slot.last_used = Instant::now();
+        slot.t_last_used = strata_ffi::time_ms() * 1000;
         let a = slot.active.take()?;
         slot.last = Some((a.task.id, metrics_settings(&a)));
         let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);

@@ -18,15 +18,16 @@ impl<'m> Engine<'m> {
     pub(super) fn start(&mut self, id: usize, task: Task) {
         let n_prompt = task.prompt.len();
         if n_prompt == 0 && task.params.kind != TaskKind::Completion {
-            let _ = task.events.send(Event::Error(ApiError::invalid("the prompt is empty")));
+            task.send_error(ApiError::invalid("the prompt is empty"));
             return;
         }
         let n_vocab = self.ctx.model().vocab().n_tokens();
         if task.prompt.iter().any(|&t| !(0..n_vocab).contains(&t)) {
-            let _ = task.events.send(Event::Error(ApiError::invalid("Prompt contains invalid tokens")));
+            task.send_error(ApiError::invalid("Prompt contains invalid tokens"));
             return;
         }
         if task.params.kind != TaskKind::Completion {
+            launched(id, &task);
             self.start_embedding(id, task);
             return;
         }
@@ -40,10 +41,11 @@ impl<'m> Engine<'m> {
             }
             Err(e) => {
                 let msg = format!("Failed to initialize samplers: {e}");
-                let _ = task.events.send(Event::Error(ApiError::invalid(msg)));
+                task.send_error(ApiError::invalid(msg));
                 return;
             }
         };
+        launched(id, &task);
         let n_predict = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
         let settings = strata_ffi::sampling_settings(Some(self.params), &task.params.sampling, task.params.chat_format)
             .map(|s| Arc::new(super::settings::task_settings(&s, &task.params, n_predict as i64, false)))
@@ -77,7 +79,10 @@ impl<'m> Engine<'m> {
                 ErrorType::ExceedContextSize,
                 format!("request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it", self.n_ctx_slot),
             );
-            let _ = task.events.send(Event::Error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot)));
+            task.send_error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot));
+            // llama-server launched the slot before it checked the size, and releases it now
+            let msg = format!("stop processing: n_tokens = {}, truncated = 0", self.slots[id].cache.len());
+            crate::log::slot(Verbosity::Info, "release", id, task.id as i64, &msg);
             return;
         }
         let mut lora = self.lora_scales(&task.params.lora);
@@ -85,7 +90,7 @@ impl<'m> Engine<'m> {
         let alora = match self.alora_start(&mut lora, &task.prompt, id, task.id) {
             Ok(a) => a,
             Err(e) => {
-                let _ = task.events.send(Event::Error(e));
+                task.send_error(e);
                 return;
             }
         };
@@ -176,7 +181,7 @@ impl<'m> Engine<'m> {
                 false => Ok(()),
             });
             if let Err(e) = seeded {
-                let _ = task.events.send(Event::Error(exception(e)));
+                task.send_error(exception(e));
                 return;
             }
         }
@@ -185,7 +190,7 @@ impl<'m> Engine<'m> {
         let n_predict_max = if task.params.n_predict != -1 { task.params.n_predict } else { self.n_predict_default };
         let mut sampler = sampler;
         if let Err(e) = task.prompt.iter().try_for_each(|&t| sampler.accept(t, false)) {
-            let _ = task.events.send(Event::Error(exception(e)));
+            task.send_error(exception(e));
             return;
         }
         let starts = if self.checkpoints.is_some() { checkpoint::user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
@@ -194,7 +199,7 @@ impl<'m> Engine<'m> {
         active.alora = alora;
         slot.active = Some(active);
         let a = slot.active.as_ref().expect("just started");
-        if !a.begin(id, keep) {
+        if !a.begin(keep) {
             self.release(id);
         }
     }
@@ -316,4 +321,9 @@ mod tests {
         assert!(!all_alora(&inv, &[1.0, 1.0, 0.0]), "a plain adapter is enabled");
         assert!(!all_alora(&inv, &[0.0, 0.0, 0.0]), "none enabled");
     }
+}
+
+/// llama-server's line for a task that has its slot and sampler.
+fn launched(id: usize, task: &Task) {
+    crate::log::slot(Verbosity::Info, "launch_slot_", id, task.id as i64, &format!("processing task, is_child = {}", task.is_child() as i32));
 }

@@ -9,7 +9,7 @@ use super::checkpoint::Checkpoint;
 use super::core::{exception, Engine};
 use super::speculative::{draft_max, drafter_log};
 use super::start::take_checkpoint;
-use super::task::{Event, TaskKind};
+use super::task::TaskKind;
 use crate::api::error::ApiError;
 
 impl<'m> Engine<'m> {
@@ -269,7 +269,7 @@ impl<'m> Engine<'m> {
             let slot = &mut self.slots[id];
             let Some(a) = slot.active.as_mut().filter(|a| a.prompt_in_batch) else { continue };
             a.prompt_ms = a.t_prompt.elapsed().as_secs_f64() * 1e3;
-            if !a.send_progress(id, slot.cache.len()) {
+            if !a.send_progress(slot.cache.len()) {
                 self.release(id);
             }
         }
@@ -319,7 +319,7 @@ impl<'m> Engine<'m> {
         };
         for id in 0..self.slots.len() {
             if let Some(a) = self.release(id) {
-                let _ = a.task.events.send(Event::Error(ApiError::server(msg)));
+                a.task.send_error(ApiError::server(msg));
                 self.ctx.seq_rm(id as i32, -1, -1);
                 if let Some(spec) = self.spec.as_mut() {
                     drafter_log(spec.seq_rm(id as i32, -1, -1), id);
@@ -337,7 +337,7 @@ impl<'m> Engine<'m> {
         let task = self.slots[id].active.as_ref().map_or(-1, |a| a.task.id as i64);
         crate::log::slot(Verbosity::Error, "operator()", id, task, &err.message);
         if let Some(a) = self.release(id) {
-            let _ = a.task.events.send(Event::Error(err));
+            a.task.send_error(err);
         }
         self.ctx.seq_rm(id as i32, -1, -1);
         if let Some(spec) = self.spec.as_mut() {

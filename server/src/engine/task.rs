@@ -133,6 +133,19 @@ pub struct Task {
     pub events: mpsc::UnboundedSender<Event>,
 }
 
+impl Task {
+    /// Ends the task with an error, logged as llama-server's send_error logs it.
+    pub fn send_error(&self, err: ApiError) {
+        crate::log::srv(strata_ffi::Verbosity::Error, "send_error", &format!("task id = {}, error: {}", self.id, err.message));
+        let _ = self.events.send(Event::Error(err));
+    }
+
+    /// A further completion of a request's prompt (`n_cmpl` > 1), in llama-server's terms a child task.
+    pub fn is_child(&self) -> bool {
+        self.params.n_cmpl > 1 && self.index % self.params.n_cmpl != 0
+    }
+}
+
 /// What `/slots/{id}?action=` asks of a slot; done when the slot is idle.
 #[derive(Debug, Clone)]
 /// `id` is the slot id as asked; it reaches a slot as llama-server's get_slot_by_id does.
@@ -223,7 +236,6 @@ pub struct Partial {
     pub index: usize,
     pub content: String,
     pub tokens: Vec<Token>,
-    pub id_slot: usize,
     pub n_decoded: usize,
     pub n_prompt: usize,
     /// Prompt tokens taken from the cache rather than decoded.
