@@ -547,7 +547,6 @@ mod tests {
             index: 0,
             content: String::new(),
             tokens: Vec::new(),
-            id_slot: 0,
             n_decoded,
             n_prompt: 4,
             n_cached: 0,

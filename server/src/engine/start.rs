@@ -309,6 +309,11 @@ pub(super) fn take_checkpoint(
     checkpoint::push(&mut slot.checkpoints, policy, slot.id, Checkpoint { n_tokens, pos_min, pos_max, task, tgt, spec });
 }
 
+/// llama-server's line for a task that has its slot and sampler.
+fn launched(id: usize, task: &Task) {
+    crate::log::slot(Verbosity::Info, "launch_slot_", id, task.id as i64, &format!("processing task, is_child = {}", task.is_child() as i32));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,9 +326,4 @@ mod tests {
         assert!(!all_alora(&inv, &[1.0, 1.0, 0.0]), "a plain adapter is enabled");
         assert!(!all_alora(&inv, &[0.0, 0.0, 0.0]), "none enabled");
     }
-}
-
-/// llama-server's line for a task that has its slot and sampler.
-fn launched(id: usize, task: &Task) {
-    crate::log::slot(Verbosity::Info, "launch_slot_", id, task.id as i64, &format!("processing task, is_child = {}", task.is_child() as i32));
 }

@@ -142,7 +142,7 @@ impl Task {
 
     /// A further completion of a request's prompt (`n_cmpl` > 1), in llama-server's terms a child task.
     pub fn is_child(&self) -> bool {
-        self.params.n_cmpl > 1 && self.index % self.params.n_cmpl != 0
+        self.params.n_cmpl > 1 && !self.index.is_multiple_of(self.params.n_cmpl)
     }
 }
 
