@@ -144,6 +144,34 @@ void strata_log(int level, const char * text) {
     }
 }
 
+// llama.cpp's lines that start with these are dropped; the rest go to the logger as before.
+static std::vector<std::string> g_log_muted;
+static ggml_log_callback g_log_next = nullptr;
+static void * g_log_next_data = nullptr;
+
+static void log_filter(enum ggml_log_level level, const char * text, void * user_data) {
+    (void) user_data;
+    for (const auto & m : g_log_muted) {
+        if (text != nullptr && std::strncmp(text, m.c_str(), m.size()) == 0) {
+            return;
+        }
+    }
+    if (g_log_next != nullptr) {
+        g_log_next(level, text, g_log_next_data);
+    }
+}
+
+void strata_log_mute(const char * prefix) {
+    try {
+        if (g_log_muted.empty()) {
+            llama_log_get(&g_log_next, &g_log_next_data);
+            llama_log_set(log_filter, nullptr);
+        }
+        g_log_muted.emplace_back(prefix);
+    } catch (...) {
+    }
+}
+
 // ---- JSON -----------------------------------------------------------------------------------
 
 char * strata_json_parse_error(const char * data, size_t len) {

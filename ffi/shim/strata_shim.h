@@ -65,6 +65,8 @@ struct llama_model_params   strata_params_model(strata_params * p, char ** err);
 struct llama_context_params strata_params_context(const strata_params * p, char ** err);
 // The model and context parameters of the target and of the draft as JSON (for tests).
 char * strata_params_llama_json(strata_params * p, char ** err);
+// Drops llama.cpp's log lines that start with prefix (advice that does not apply to Strata).
+void strata_log_mute(const char * prefix);
 // llama-server's start-up lines about the build, the log's verbosity and (print_devices) the devices.
 void strata_params_print_info(const strata_params * p, bool print_devices);
 // llama-server's parameters before any option, as strata_params_json writes them.

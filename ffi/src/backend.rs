@@ -123,3 +123,11 @@ pub fn time_ms() -> i64 {
     // SAFETY: no preconditions; it reads the clock.
     unsafe { sys::ggml_time_ms() }
 }
+
+/// Drops llama.cpp's log lines that start with `prefix`, for advice that does not apply to
+/// how Strata loads the model; every other line is logged as before.
+pub fn log_mute(prefix: &str) {
+    let Ok(c) = std::ffi::CString::new(prefix) else { return };
+    // SAFETY: a valid C string; the shim copies it.
+    unsafe { sys::strata_log_mute(c.as_ptr()) }
+}

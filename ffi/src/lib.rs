@@ -28,7 +28,7 @@ mod speculative;
 pub mod step_trace;
 mod strata_hooks;
 
-pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, set_log_callback, time_ms, LogLevel, Verbosity};
+pub use backend::{common_init, flush_c_stdio, init_backend, load_backends, log, log_info, log_mute, set_log_callback, time_ms, LogLevel, Verbosity};
 pub use batch::Batch;
 pub use chat::{
     build_info, chat_msg_diffs, check_chat_parser, json_parse_error, json_schema_to_grammar, parse_chat_inputs, parse_chat_message, validate_filename,

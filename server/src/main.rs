@@ -56,6 +56,8 @@ fn run() -> ExitCode {
     let mut parse_args = llama_args.clone();
     if let Some(c) = &experts {
         parse_args.extend(c.llama_args().iter().map(|a| a.to_string()));
+        // the tiers' own --cpu-moe needs the mapping the loader would advise against
+        strata_ffi::log_mute("llama_model_loader: tensor overrides to CPU are used with mmap enabled");
     }
     if let Some(mode) = strata_args.ple_mode {
         parse_args.extend(mode.llama_args().iter().map(|a| a.to_string()));

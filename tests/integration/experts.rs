@@ -819,3 +819,17 @@ fn the_step_trace_has_the_tiers_bookkeeping_of_zero_copy_decode() {
         assert!(line[part]["median"].as_f64().is_some_and(|x| x > 0.0), "{part}: {line}");
     }
 }
+
+/// The tiers' own --cpu-moe needs the file mapping that llama.cpp's loader advises against:
+/// a tiered start gives no such advice, a plain --cpu-moe start still does.
+#[test]
+fn a_tiered_start_gives_no_advice_that_its_flags_refuse() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let advice = "tensor overrides to CPU are used with mmap enabled";
+    let tiered = Server::start(&["-m", m, "-c", "512", "--mmap-experts", "--expert-cache", "30"], &[]);
+    assert!(!tiered.log.lock().unwrap().contains(advice), "{}", tiered.log.lock().unwrap());
+    drop(tiered);
+    let plain = Server::start(&["-m", m, "-c", "512", "--cpu-moe"], &[]);
+    assert!(plain.log.lock().unwrap().contains(advice), "{}", plain.log.lock().unwrap());
+}

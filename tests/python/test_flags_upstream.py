@@ -136,8 +136,9 @@ def both(s: Server, u: Server, method: str, path: str, body=None, headers: dict 
 
 
 def unmarked(body):
-    """/props without its media_marker, a random string per process."""
-    return {k: v for k, v in body.items() if k != "media_marker"} if isinstance(body, dict) else body
+    """/props without its media_marker, a random string per process, and its build_info (Strata's
+    names Strata's version and commit after the pin's build)."""
+    return {k: v for k, v in body.items() if k not in ("media_marker", "build_info")} if isinstance(body, dict) else body
 
 
 def greedy(s: Server, u: Server, path: str, body: dict, keys: tuple[str, ...]):

@@ -111,7 +111,11 @@ impl<'m> Engine<'m> {
             // The draft model's context keeps its own copy of each sequence, which the cache
             // does not hold.
             _ if draft_ctx => {
-                crate::log::srv(Verbosity::Trace, "load_model", "prompt cache is disabled with a draft model");
+                crate::log::srv(
+                    Verbosity::Warn,
+                    "load_model",
+                    "prompt cache (--cache-ram) is off with a draft model: strata-server does not keep the drafter's state in it",
+                );
                 None
             }
             0 => {
@@ -134,7 +138,9 @@ impl<'m> Engine<'m> {
         let mut cache_idle_slots = cfg.cache_idle_slots;
         if cache_idle_slots {
             if prompt_cache.is_none() {
-                crate::log::srv(Verbosity::Warn, "init", "--cache-idle-slots requires --cache-ram, disabling");
+                if cfg.cache_ram_mib == 0 {
+                    crate::log::srv(Verbosity::Warn, "init", "--cache-idle-slots requires --cache-ram, disabling");
+                }
                 cache_idle_slots = false;
             } else {
                 let what = if cfg.kv_unified { "saved to prompt cache and cleared" } else { "saved to prompt cache" };

@@ -79,10 +79,12 @@ impl<'m> Engine<'m> {
                 ErrorType::ExceedContextSize,
                 format!("request ({n_prompt} tokens) exceeds the available context size ({} tokens), try increasing it", self.n_ctx_slot),
             );
-            task.send_error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot));
-            // llama-server launched the slot before it checked the size, and releases it now
+            // llama-server launched the slot before it checked the size, and releases it now,
+            // before the request's reader hears of the error
+            task.log_error(&err);
             let msg = format!("stop processing: n_tokens = {}, truncated = 0", self.slots[id].cache.len());
             crate::log::slot(Verbosity::Info, "release", id, task.id as i64, &msg);
+            let _ = task.events.send(Event::Error(err.with("n_prompt_tokens", n_prompt).with("n_ctx", self.n_ctx_slot)));
             return;
         }
         let mut lora = self.lora_scales(&task.params.lora);

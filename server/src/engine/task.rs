@@ -136,8 +136,13 @@ pub struct Task {
 impl Task {
     /// Ends the task with an error, logged as llama-server's send_error logs it.
     pub fn send_error(&self, err: ApiError) {
-        crate::log::srv(strata_ffi::Verbosity::Error, "send_error", &format!("task id = {}, error: {}", self.id, err.message));
+        self.log_error(&err);
         let _ = self.events.send(Event::Error(err));
+    }
+
+    /// llama-server's send_error line for this task.
+    pub fn log_error(&self, err: &ApiError) {
+        crate::log::srv(strata_ffi::Verbosity::Error, "send_error", &format!("task id = {}, error: {}", self.id, err.message));
     }
 
     /// A further completion of a request's prompt (`n_cmpl` > 1), in llama-server's terms a child task.

@@ -120,34 +120,36 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         "build_info": crate::api::info::build_info(),
         "cors_proxy_enabled": cfg["ui_mcp_proxy"].as_bool().unwrap_or(false),
     });
+    // llama-server's order: the HTTP server's set-up, the models, the security warnings, the bind
     let info = ServerInfo::from_params(cfg, String::new(), 0);
-    crate::api::ui::check(&info)?;
-    if info.cors_origins == "*" && info.api_keys.is_empty() {
-        crate::log::warn("srv router: security: no API key is set and CORS allows all origins");
-    }
-    crate::log::warn("srv router: security: router mode enabled - do not expose to untrusted environments");
-
-    let tools = crate::agent::tools::Tools::from_params(cfg).context("tools setup failed")?;
     crate::api::listen::check_hosts(&hosts, port)?;
     for _ in &hosts {
         crate::api::listen::log_tls(cfg);
+        crate::api::ui::check(&info)?;
     }
-    let http = match crate::api::listen::Http::from_params(cfg, cfg["n_parallel"].as_i64().unwrap_or(-1)).with_tls(cfg) {
-        Ok(h) => h,
-        Err(e) => return Err(crate::api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
-    };
+    let http = crate::api::listen::Http::from_params(cfg, cfg["n_parallel"].as_i64().unwrap_or(-1));
     let rt = http.runtime()?;
+    let tools = crate::agent::tools::Tools::from_params(cfg).context("tools setup failed")?;
     rt.block_on(async move {
-        let agent = crate::agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
         let models = Models::new(router_cfg).await.context("failed to initialize router models")?;
+        let warn = |msg: &str| crate::log::srv(strata_ffi::Verbosity::Warn, "llama_server", msg);
+        if info.cors_origins == "*" && info.api_keys.is_empty() {
+            warn("security: no API key is set and CORS allows all origins (see https://github.com/ggml-org/llama.cpp/pull/25655)");
+        }
+        warn("security: router mode enabled - do not expose to untrusted environments");
+        let agent = crate::agent::Agent::start(cfg, tools).await.context("MCP starting failed")?;
+        let http = match http.with_tls(cfg) {
+            Ok(h) => h,
+            Err(e) => return Err(crate::api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
+        };
+        crate::log::srv(strata_ffi::Verbosity::Info, "llama_server", "starting server in router mode. models will be automatically loaded on-demand");
         let listeners = match crate::api::listen::bind_all(&hosts, port, &http).await {
             Ok(l) => l,
             Err(e) => return Err(crate::api::listen::failed(Some(&format!("{:#}", e.error)), &e.host, port)),
         };
         let app = routes(RouterApp { models: models.clone(), props: Arc::new(props), convs: Arc::default() }, info, agent.routes);
-        crate::log::info("srv router: starting server in router mode. models will be automatically loaded on-demand");
         for l in listeners {
-            crate::log::info(&format!("main: server is listening on {}", l.describe(http.tls.is_some())?));
+            crate::log::srv(strata_ffi::Verbosity::Info, "llama_server", &format!("listening on {}", l.describe(http.tls.is_some())?));
             tokio::spawn(crate::api::listen::accept_loop(l, app.clone(), http.clone()));
         }
         tokio::spawn({
@@ -159,7 +161,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
-        crate::log::info("srv router: cleaning up before exit...");
+        crate::log::cleaning_up();
         models.unload_all().await;
         agent.mcp.close_all().await;
         Ok(())

@@ -616,9 +616,10 @@ fn check_names(inner: &Inner, m: &Meta) -> Result<(), String> {
 }
 
 fn log_models(inner: &Inner) {
-    crate::log::info(&format!("srv router: Available models ({}):", inner.models.len()));
+    let info = |msg: &str| crate::log::srv(strata_ffi::Verbosity::Info, "operator()", msg);
+    info(&format!("Available models ({}):", inner.models.len()));
     if inner.models.is_empty() {
-        crate::log::info("srv router:   no models found on the system");
+        info("  no models found on the system (visit https://llama.app/models for suggestions)");
     }
     for i in inner.models.values() {
         let mut extra = String::new();
@@ -628,7 +629,7 @@ fn log_models(inner: &Inner) {
         if !i.meta.tags.is_empty() {
             extra += &format!(" [tags: {}]", i.meta.tags.iter().cloned().collect::<Vec<_>>().join(", "));
         }
-        crate::log::info(&format!("srv router:   [{:>10}] {}{extra}", i.meta.source, i.meta.name));
+        info(&format!("  [{:>10}] {}{extra}", i.meta.source, i.meta.name));
     }
 }
 
