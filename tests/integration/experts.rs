@@ -783,8 +783,11 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
     assert_same(&want, &got, "the seed's command line");
     let (status, props) = s.get("/props");
     assert_eq!(status, 200);
-    assert_eq!(props["default_generation_settings"]["n_ctx"], 262144, "--max-context is -c");
+    // --max-context is -c: a 262144-token context, each slot capped at the tiny model's
+    // training context as llama-server caps it
     let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("the slot context (262144) exceeds the training context of the model (4096) - capping"), "{log}");
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 4096);
     for line in [
         "(auto: no GPU, no hot tier)",
         "prefill ring: off (no GPU)",
