@@ -1352,6 +1352,47 @@ llama_token strata_sampler_sample(strata_sampler * s, struct llama_context * ctx
     });
 }
 
+struct strata_backend_samplers {
+    std::vector<common_sampler_ptr>       smpl;
+    std::vector<llama_sampler_seq_config> seq;
+};
+
+strata_backend_samplers * strata_backend_samplers_init(const struct llama_model * model, const strata_params * p,
+                                                       struct llama_context_params * cparams, char ** err) {
+    return guarded<strata_backend_samplers *>(err, nullptr, [&]() -> strata_backend_samplers * {
+        if (!p->params.sampling.backend_sampling) {
+            return nullptr;
+        }
+        auto b = std::make_unique<strata_backend_samplers>();
+        for (uint32_t i = 0; i < cparams->n_seq_max; ++i) {
+            common_params_sampling sp = p->params.sampling;
+            b->smpl.emplace_back(common_sampler_init(model, sp));
+            if (!b->smpl.back()) {
+                throw std::runtime_error("failed to initialise the backend samplers");
+            }
+            b->seq.push_back({ static_cast<llama_seq_id>(i), common_sampler_get(b->smpl.back().get()) });
+        }
+        cparams->samplers   = b->seq.data();
+        cparams->n_samplers = b->seq.size();
+        return b.release();
+    });
+}
+
+void strata_backend_samplers_free(strata_backend_samplers * b) {
+    delete b;
+}
+
+bool strata_sampler_backend(const strata_sampler * s) {
+    const auto & p = s->params;
+    const bool rbudget = !p.reasoning_budget_start.empty() && !p.reasoning_budget_end.empty() &&
+                         (p.grammar_lazy || p.reasoning_budget_tokens >= 0 || p.reasoning_control);
+    return p.backend_sampling && common_grammar_value(p.grammar).empty() && !rbudget;
+}
+
+bool strata_sampler_attach(struct llama_context * ctx, int32_t seq, const strata_sampler * s) {
+    return llama_set_sampler(ctx, seq, s ? common_sampler_get(s->smpl) : nullptr) && s;
+}
+
 void strata_sampler_set_argmax(strata_sampler * s, bool enabled) {
     s->argmax = enabled && s->argmax_ok;
 }

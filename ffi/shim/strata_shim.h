@@ -196,6 +196,20 @@ bool             strata_sampler_reasoning_end(strata_sampler * s, char ** err);
 int32_t          strata_sampler_candidates(strata_sampler * s, llama_token token, float * token_prob,
                                            llama_token * ids, float * probs, int32_t n_max, char ** err);
 
+// -bs: one sampler chain per sequence, made from p's sampling settings, written into cparams
+// (samplers, n_samplers) so that the context builds its sampling graph with them, as
+// common_init_from_params does. Null (and no error) without -bs. Free it after the context.
+typedef struct strata_backend_samplers strata_backend_samplers;
+strata_backend_samplers * strata_backend_samplers_init(const struct llama_model * model, const strata_params * p,
+                                                       struct llama_context_params * cparams, char ** err);
+void                      strata_backend_samplers_free(strata_backend_samplers * b);
+// Whether s may sample in the context's graph: its settings ask for backend sampling and it has
+// no grammar or reasoning budget (llama.cpp's common_sampler_init turns it off for those).
+bool             strata_sampler_backend(const strata_sampler * s);
+// Sets s's chain as sequence seq's backend sampler (s null: none); false where the context keeps
+// sampling that sequence on the CPU.
+bool             strata_sampler_attach(struct llama_context * ctx, int32_t seq, const strata_sampler * s);
+
 // ---- speculative decoding -------------------------------------------------------------------
 
 typedef struct strata_speculative strata_speculative;

@@ -58,6 +58,8 @@ pub struct Context<'m> {
     model: &'m Model,
     /// The CPU threadpools attached to the context, freed after it.
     threadpools: Option<NonNull<sys::strata_threadpools>>,
+    /// -bs: the per-sequence sampler chains the context was made with, freed after it.
+    backend_samplers: Option<NonNull<sys::strata_backend_samplers>>,
 }
 
 // SAFETY: a llama_context may be used from any thread as long as it is used by one at a time;
@@ -69,7 +71,45 @@ impl<'m> Context<'m> {
     pub fn new(model: &'m Model, params: ContextParams) -> Result<Self> {
         // SAFETY: valid model and params; null on failure.
         let ptr = unsafe { sys::llama_init_from_model(model.as_ptr(), params.raw) };
-        NonNull::new(ptr).map(|ptr| Self { ptr, model, threadpools: None }).ok_or(FfiError::ContextInit)
+        NonNull::new(ptr).map(|ptr| Self { ptr, model, threadpools: None, backend_samplers: None }).ok_or(FfiError::ContextInit)
+    }
+
+    /// As `new`, with the server's -bs: each sequence's sampler chain (from the flags' sampling
+    /// settings) is part of the context's graph from the start, as in llama-server.
+    pub fn for_server(model: &'m Model, mut params: ContextParams, server: &ServerParams) -> Result<Self> {
+        let samplers = call(|err| {
+            // SAFETY: valid model and params; the samplers outlive the context (Drop frees them after it).
+            let b = unsafe { sys::strata_backend_samplers_init(model.as_ptr(), server.as_ptr(), &mut params.raw, err) };
+            Some(NonNull::new(b))
+        })?;
+        match Self::new(model, params) {
+            Ok(mut c) => {
+                c.backend_samplers = samplers;
+                Ok(c)
+            }
+            Err(e) => {
+                if let Some(b) = samplers {
+                    // SAFETY: made above; the context that would have used it was not made.
+                    unsafe { sys::strata_backend_samplers_free(b.as_ptr()) }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether the context was made with backend samplers (-bs); only such a context samples in
+    /// its graph.
+    pub fn backend_sampling(&self) -> bool {
+        self.backend_samplers.is_some()
+    }
+
+    /// Makes `sampler`'s chain sample sequence `seq` in the context's graph (None: sample it on
+    /// the CPU). The sampler must be detached before it is dropped. Returns whether the graph
+    /// samples the sequence now.
+    pub fn set_backend_sampler(&mut self, seq: i32, sampler: Option<&crate::Sampler>) -> bool {
+        let s = sampler.map_or(std::ptr::null(), |s| s.as_ptr().cast_const());
+        // SAFETY: valid context; the caller keeps the sampler alive while it is attached.
+        unsafe { sys::strata_sampler_attach(self.ptr.as_ptr(), seq, s) }
     }
 
     /// What llama-server's common_init_from_params does once its context exists: --prio for
@@ -159,6 +199,14 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
             crate::moe::after_decode(self.model.as_ptr() as usize);
         }
+    }
+
+    /// The token the context's graph sampled for the i-th output of the last decode (a sequence
+    /// with a backend sampler attached), None where it sampled nothing.
+    pub fn sampled_token(&mut self, i: i32) -> Option<Token> {
+        // SAFETY: valid context.
+        let t = unsafe { sys::llama_get_sampled_token_ith(self.ptr.as_ptr(), i) };
+        (t != sys::LLAMA_TOKEN_NULL).then_some(t)
     }
 
     /// Logits of the i-th output of the last decode (negative i counts from the end).
@@ -352,6 +400,10 @@ impl Drop for Context<'_> {
         if let Some(pools) = self.threadpools.take() {
             // SAFETY: the pools were attached to the context just freed and nothing else uses them.
             unsafe { sys::strata_threadpools_free(pools.as_ptr()) }
+        }
+        if let Some(b) = self.backend_samplers.take() {
+            // SAFETY: the chains belonged to the context just freed and nothing else uses them.
+            unsafe { sys::strata_backend_samplers_free(b.as_ptr()) }
         }
     }
 }

@@ -61,6 +61,13 @@ impl Sampler {
         unsafe { sys::strata_sampler_set_argmax(self.ptr.as_ptr(), enabled) }
     }
 
+    /// Whether the settings ask for backend sampling (-bs, or a request's backend_sampling) and
+    /// allow it: no grammar, no reasoning budget.
+    pub fn backend(&self) -> bool {
+        // SAFETY: valid sampler.
+        unsafe { sys::strata_sampler_backend(self.ptr.as_ptr()) }
+    }
+
     /// Whether `sample` may answer from a scan of the logits (see `set_argmax`).
     pub fn argmax(&self) -> bool {
         // SAFETY: valid sampler.

@@ -1,5 +1,5 @@
 //! Greedy sampling answered from a scan of the logits (STRATA_SAMPLER_ARGMAX), against
-//! llama.cpp's sampler chain.
+//! llama.cpp's sampler chain; -bs sampling in the context's graph.
 
 use serde_json::{json, Value};
 use strata_ffi::{Model, ModelParams, Sampler};
@@ -79,4 +79,52 @@ fn a_bad_sampler_argmax_value_stops_the_server() {
     let out = crate::support::run_server(&["-m", m.to_str().unwrap()], &[("STRATA_SAMPLER_ARGMAX", "yes")]);
     assert_eq!(out.status, 1);
     assert!(out.stderr.contains("STRATA_SAMPLER_ARGMAX: invalid value 'yes'"), "{}", out.stderr);
+}
+
+fn server_params(extra: &[&str]) -> strata_ffi::ServerParams {
+    let m = model("tiny-qwen3moe.gguf");
+    let mut args = vec!["strata-server", "-m", m.to_str().unwrap(), "-c", "512", "-np", "2"];
+    args.extend_from_slice(extra);
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let strata_ffi::ParseOutcome::Parsed(p) = strata_ffi::ServerParams::parse(&args, None).unwrap() else { panic!("flags rejected") };
+    p
+}
+
+/// Decodes `prompt` on sequence `seq` and returns (the graph's sample, the sampler's answer).
+fn decode_and_sample(ctx: &mut strata_ffi::Context<'_>, s: &mut Sampler, seq: i32, prompt: &[i32]) -> (Option<i32>, i32) {
+    let mut batch = strata_ffi::Batch::new(prompt.len(), 1);
+    for (i, &t) in prompt.iter().enumerate() {
+        batch.add(t, i as i32, &[seq], i + 1 == prompt.len()).unwrap();
+    }
+    ctx.decode(&batch).unwrap();
+    let graph = ctx.sampled_token(-1);
+    (graph, s.sample(ctx, -1).unwrap())
+}
+
+#[test]
+fn backend_sampling_samples_in_the_graph_and_detaches() {
+    crate::support::quiet_llama_logs();
+    use strata_ffi::Context;
+    let m = Model::load(&model("tiny-qwen3moe.gguf"), &ModelParams::default()).unwrap();
+    let prompt = m.vocab().tokenize("The capital of France is", true, false).unwrap();
+    let bs = server_params(&["-bs"]);
+    let mut ctx = Context::for_server(&m, bs.context_params().unwrap().with_threads(2), &bs).unwrap();
+    assert!(ctx.backend_sampling());
+    let mut s = Sampler::new(&m, Some(&bs), &json!({"seed": 11, "top_k": 5})).unwrap();
+    assert!(s.backend());
+    assert!(ctx.set_backend_sampler(1, Some(&s)));
+    let (graph, chosen) = decode_and_sample(&mut ctx, &mut s, 1, &prompt);
+    assert_eq!(graph, Some(chosen), "the sampler answers with the graph's token");
+    assert!(!ctx.set_backend_sampler(1, None));
+    ctx.seq_rm(1, 0, -1);
+    let (graph, _) = decode_and_sample(&mut ctx, &mut s, 1, &prompt);
+    assert_eq!(graph, None, "a detached sequence is sampled on the CPU");
+
+    let grammar = Sampler::new(&m, Some(&bs), &json!({"grammar": "root ::= \"a\""})).unwrap();
+    assert!(!grammar.backend(), "a grammar keeps sampling on the CPU, as common_sampler_init decides");
+    let off = Sampler::new(&m, Some(&bs), &json!({"backend_sampling": false})).unwrap();
+    assert!(!off.backend());
+
+    let plain = server_params(&[]);
+    assert!(!Context::for_server(&m, plain.context_params().unwrap().with_threads(2), &plain).unwrap().backend_sampling());
 }

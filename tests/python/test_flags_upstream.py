@@ -737,3 +737,32 @@ def test_preset_downloads_its_model_and_sets_its_parameters(tmp_path, preset):
 def test_a_slot_context_past_the_training_context_is_capped():
     with pair("-m", model("tiny-llama.gguf"), "-c", "8192", "-np", "1") as (s, u):
         assert same_props(s, u, "default_generation_settings.n_ctx")["default_generation_settings"]["n_ctx"] == 4096
+
+
+# --- -bs: sampling in the context's graph ----------------------------------------------------
+
+def test_backend_sampling_answers_as_upstream_over_both_slots():
+    """-bs: seeded sampling, post-sampling probabilities, a grammar (sampled on the CPU) and
+    pre-sampling probabilities (the CPU chain's) give upstream's answers, on both slots, with
+    requests that attach and detach each slot's sampler in turn."""
+    with pair("-m", model("tiny-llama.gguf"), "-c", "512", "-np", "2", "-bs", "--seed", "42") as (s, u):
+        assert ("setting backend sampler" in s.log()) == ("setting backend sampler" in u.log())
+        prompt = "The countries of Europe, in random order, are:"
+        bodies = [
+            {"prompt": prompt, "n_predict": 12, "seed": 4242, "temperature": 1.2},
+            {"prompt": prompt, "n_predict": 8, "seed": 7, "top_k": 3, "n_probs": 5, "post_sampling_probs": True},
+            {"prompt": prompt, "n_predict": 8, "seed": 7, "n_probs": 5, "backend_sampling": True},
+            {"prompt": prompt, "n_predict": 6, "seed": 9, "grammar": 'root ::= [a-z ]+'},
+            {"prompt": prompt, "n_predict": 12, "seed": 4242, "temperature": 1.2, "backend_sampling": False},
+        ]
+        for slot in (0, 1):
+            for b in bodies:
+                a, c = (x.post("/completion", {**b, "id_slot": slot, "cache_prompt": False}) for x in (s, u))
+                assert a["content"] == c["content"], (b, a["content"], c["content"])
+                pa, pc = (r.get("completion_probabilities", []) for r in (a, c))
+                assert [t["id"] for t in pa] == [t["id"] for t in pc]
+                for ta, tc in zip(pa, pc):
+                    key = "top_probs" if b.get("post_sampling_probs") else "top_logprobs"
+                    assert [t["id"] for t in ta[key]] == [t["id"] for t in tc[key]], b
+        assert s.post("/completion", bodies[0])["content"] == s.post("/completion", bodies[4])["content"], \
+            "the graph and the CPU chain draw the same tokens"

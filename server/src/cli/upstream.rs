@@ -244,7 +244,7 @@ pub const TABLE: &[U] = &[
     U { option: "--grammar-file", class: Honoured("sampling:grammar"), sample: &["--grammar-file", "{dir}/g.gbnf"] },
     U { option: "-j, --json-schema", class: Honoured("sampling:grammar"), sample: &["-j", "{\"type\":\"object\"}"] },
     U { option: "-jf, --json-schema-file", class: Honoured("sampling:grammar"), sample: &["-jf", "{dir}/schema.json"] },
-    U { option: "-bs, --backend-sampling", class: Refused { key: "backend_sampling", why: "strata-server samples on the CPU; backend sampling (experimental in llama-server) is not built into its decode loop" }, sample: &["-bs"] },
+    U { option: "-bs, --backend-sampling", class: Honoured("test:tests/integration/sampling.rs::backend_sampling_samples_in_the_graph_and_detaches"), sample: &["-bs"] },
     U {
         option: "--spec-draft-hf, -hfd, -hfrd, --hf-repo-draft",
         class: Honoured("test:tests/python/test_flags_upstream.py::test_hf_repo_draft_is_downloaded_and_drafts"),

@@ -117,7 +117,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     let mut placed = false;
     open_step_trace();
     loop {
-        let ctx = match cfg.params.context_params().and_then(|p| Context::new(&model, with_op_profile(p))) {
+        let ctx = match cfg.params.context_params().and_then(|p| Context::for_server(&model, with_op_profile(p), &cfg.params)) {
             Ok(c) => c,
             Err(e) => {
                 return Err(e.to_string());

@@ -207,6 +207,8 @@ impl<'m> Engine<'m> {
         slot.last_used = Instant::now();
         slot.t_last_used = strata_ffi::time_ms() * 1000;
         let a = slot.active.take()?;
+        // the context must not keep the chain of a sampler that is about to be dropped
+        self.ctx.set_backend_sampler(id as i32, None);
         slot.last = Some((a.task.id, metrics_settings(&a)));
         let msg = format!("stop processing: n_tokens = {}, truncated = {}", slot.cache.len(), a.truncated as i32);
         crate::log::slot(Verbosity::Info, "release", id, a.task.id as i64, &msg);

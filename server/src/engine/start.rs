@@ -196,6 +196,10 @@ impl<'m> Engine<'m> {
             return;
         }
         let starts = if self.checkpoints.is_some() { checkpoint::user_starts(&task.prompt, &task.params.message_delimiters) } else { Vec::new() };
+        // llama-server samples in the graph unless the request wants the probabilities before
+        // sampling, which only the CPU chain gives
+        let backend = self.ctx.backend_sampling() && sampler.backend() && (task.params.n_probs == 0 || task.params.post_sampling_probs);
+        self.ctx.set_backend_sampler(id as i32, backend.then_some(&sampler));
         let mut active = Active::new(task, sampler, settings, n_predict_max, keep, lora);
         active.user_starts = starts;
         active.alora = alora;
