@@ -49,9 +49,6 @@ impl Default for ContextParams {
     }
 }
 
-/// The most tokens llama.cpp's warm-up run decodes (BOS and EOS).
-const WARMUP_TOKENS: i64 = 2;
-
 /// A llama_context over a borrowed model. Owned by one thread at a time (the engine thread).
 pub struct Context<'m> {
     ptr: NonNull<sys::llama_context>,
@@ -128,7 +125,6 @@ impl<'m> Context<'m> {
         // The warm-up is a batch (of BOS and EOS) to the expert tiers too: its routing is counted
         // before the next batch decoded elsewhere overwrites it.
         self.count_logged_routing();
-        crate::moe::before_decode(self.model.as_ptr() as usize, WARMUP_TOKENS);
         let done = call(|err| {
             // SAFETY: valid, exclusively borrowed params and context.
             unsafe { sys::strata_context_setup(params.as_mut_ptr(), self.ptr.as_ptr(), err) }.then_some(())
@@ -163,10 +159,7 @@ impl<'m> Context<'m> {
     pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
         // Routing that zero-copy MoE layers logged in batches decoded elsewhere (llama.cpp's
         // warm-up) is counted before this batch overwrites it.
-        crate::step_trace::tiers(|| {
-            self.count_logged_routing();
-            crate::moe::before_decode(self.model.as_ptr() as usize, batch.raw().n_tokens.into());
-        });
+        crate::step_trace::tiers(|| self.count_logged_routing());
         let t0 = std::time::Instant::now();
         crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.

@@ -1,4 +1,4 @@
-//! Calibrated GEMM dispatch on the GPU backend (patches/0007, kernels/cuda/gemm-dispatch.cuh):
+//! Calibrated GEMM dispatch on the GPU backend (patches/0006, kernels/cuda/gemm-dispatch.cuh):
 //! before ggml's CUDA/HIP backend picks a kernel for a dense matmul it calls the chooser
 //! registered here, which looks the shape up in the table (`STRATA_HIPBLASLT_TUNING`) and may
 //! ask for MMQ or one BLASLt algorithm; `STRATA_PREFILL_MMQ=1` asks for MMQ for every quantized
@@ -171,7 +171,7 @@ fn proc_address(name: &CStr) -> Option<*mut c_void> {
 /// it; None without a GPU backend that has the dispatch.
 pub fn device(device: i32) -> Option<Device> {
     let f = proc_address(c"ggml_backend_cuda_strata_gemm_device")?;
-    // SAFETY: the proc address has the DeviceFn signature (patches/0007).
+    // SAFETY: the proc address has the DeviceFn signature (patches/0006).
     let f = unsafe { std::mem::transmute::<*mut c_void, DeviceFn>(f) };
     let mut bufs = [[0 as c_char; 64]; 3];
     let [a, r, b] = &mut bufs;
@@ -193,9 +193,9 @@ pub fn blaslt_algos(d: &GemmDesc, workspace: u64) -> i32 {
 }
 
 /// Installs the chooser with `table` (already checked against the device) and the MMQ switch.
-/// Err when the GPU backend has no dispatch (no GPU, or a build without patches/0007).
+/// Err when the GPU backend has no dispatch (no GPU, or a build without patches/0006).
 pub fn install(table: Option<Table>, prefill_mmq: bool) -> Result<(), String> {
-    let f = proc_address(c"ggml_backend_cuda_strata_gemm_register").ok_or("no GPU backend with Strata's GEMM dispatch (patches/0007)")?;
+    let f = proc_address(c"ggml_backend_cuda_strata_gemm_register").ok_or("no GPU backend with Strata's GEMM dispatch (patches/0006)")?;
     *DISPATCH.write().unwrap_or_else(|e| e.into_inner()) = Some(Dispatch { table, prefill_mmq });
     // SAFETY: the proc address has the Register signature; the functions live for the process.
     unsafe { std::mem::transmute::<*mut c_void, Register>(f)(Some(choose), Some(report)) };
@@ -260,7 +260,7 @@ f16 f32 4096 8192 2048 2048 2048 4096 blaslt 1 1073741824 1.30
     #[test]
     fn without_a_gpu_there_is_nothing_to_install() {
         assert!(device(0).is_none());
-        assert!(install(None, true).unwrap_err().contains("patches/0007"));
+        assert!(install(None, true).unwrap_err().contains("patches/0006"));
         assert_eq!(blaslt_algos(&desc(sys::GGML_TYPE_F16, 8, 8, 8), 0), 0);
     }
 }

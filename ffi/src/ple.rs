@@ -1,7 +1,7 @@
 //! PLE rows served from the model file: the mechanism behind `--ple-mode ssd`.
 //!
 //! llama.cpp keeps the table in the file (`--lazy-mode on`) and, through the hook of
-//! patches/0005, asks for the rows each ubatch needs instead of reading the mapping. The rows
+//! patches/0004, asks for the rows each ubatch needs instead of reading the mapping. The rows
 //! come from the RAM row cache or, for misses, from a pool of direct-I/O readers
 //! (residency::direct_io), deduplicated, and are written as the file holds them, so the graph's
 //! get_rows dequantizes exactly the bytes it would have read. A failed read makes llama.cpp

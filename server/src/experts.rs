@@ -43,7 +43,7 @@ pub struct ExpertConfig {
     pub ring_slots: Option<usize>,
     /// STRATA_MEMGUARD_ROOT: where the memory guard reads /proc and the cgroup files.
     pub memguard_root: PathBuf,
-    pub switches: moe::Switches,
+    pub lab: moe::Lab,
 }
 
 impl ExpertConfig {
@@ -72,69 +72,7 @@ impl ExpertConfig {
             record: a.expert_profile_out.clone(),
             hot_tier,
             memguard_root: std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from),
-            switches: moe::Switches {
-                flat_ids: std::env::var("STRATA_MOE_FLAT_IDS").as_deref() == Ok("1"),
-                host_op: std::env::var("STRATA_MOE_HOST_OP").as_deref() == Ok("1"),
-                emulate_ring: std::env::var("STRATA_RING_EMULATE").as_deref() == Ok("1"),
-                ring_trace: std::env::var_os("STRATA_RING_TRACE").filter(|v| !v.is_empty()).map(PathBuf::from),
-                ring_waves: match std::env::var("STRATA_RING_WAVES") {
-                    Ok(v) if !v.trim().is_empty() => Some(match v.trim().parse::<usize>() {
-                        Ok(n) if (1..=moe::ring::MAX_PASSES).contains(&n) => n,
-                        _ => {
-                            return Err(format!(
-                                "STRATA_RING_WAVES: invalid value '{v}': expected the most passes through the prefill ring per layer, 1 to {}",
-                                moe::ring::MAX_PASSES
-                            ))
-                        }
-                    }),
-                    _ => None,
-                },
-                ring_copy_pace: match std::env::var("STRATA_RING_COPY_PACE_KIB") {
-                    Ok(v) if !v.trim().is_empty() => match v.trim().parse::<usize>() {
-                        Ok(n) if n <= 1 << 22 => Some(n << 10),
-                        _ => return Err(format!("STRATA_RING_COPY_PACE_KIB: invalid value '{v}': expected KiB the prefill ring's copier issues before it waits, 0 to 4194304 (0: no pace)")),
-                    },
-                    _ => None,
-                },
-                ring_prefetch_min_p: match std::env::var("STRATA_RING_PREFETCH_MIN_P") {
-                    Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
-                        Ok(p) if (0.0..=1.0).contains(&p) => Some(p),
-                        _ => return Err(format!("STRATA_RING_PREFETCH_MIN_P: invalid value '{v}': expected the least chance of use, 0 to 1, for which the prefill ring prefetches a cold expert")),
-                    },
-                    _ => None,
-                },
-                ring_lend: match std::env::var("STRATA_RING_LEND").as_deref().map(str::trim) {
-                    Err(_) | Ok("") | Ok("0") => false,
-                    Ok("1") => true,
-                    Ok(v) => return Err(format!("STRATA_RING_LEND: invalid value '{v}': expected 1 (lend the prefill ring's slots to decode between prompt batches) or 0")),
-                },
-                decode_table: match std::env::var("STRATA_DECODE_TABLE").as_deref().map(str::trim) {
-                    Err(_) | Ok("") => None,
-                    Ok("0") => Some(false),
-                    Ok("1") => Some(true),
-                    Ok(v) => return Err(format!("STRATA_DECODE_TABLE: invalid value '{v}': expected 1 (zero-copy decode reads every expert through a table of pointers, one mul_mat_id per matrix) or 0 (one chain per tier)")),
-                },
-                cold_decode: match std::env::var("STRATA_COLD_DECODE").as_deref().map(str::trim) {
-                    Err(_) | Ok("") => None,
-                    Ok("cpu") => Some(moe::ColdDecode::Cpu),
-                    Ok("mapped") => Some(moe::ColdDecode::Mapped),
-                    Ok("workers") => Some(moe::ColdDecode::Workers),
-                    Ok("mixed") => Some(moe::ColdDecode::Mixed),
-                    Ok(v) => return Err(format!("STRATA_COLD_DECODE: invalid value '{v}': expected cpu, mapped, workers or mixed")),
-                },
-                decode_stage: match std::env::var("STRATA_DECODE_STAGE").as_deref().map(str::trim) {
-                    Err(_) | Ok("") | Ok("0") => false,
-                    Ok("1") => true,
-                    Ok(v) => return Err(format!("STRATA_DECODE_STAGE: invalid value '{v}': expected 1 (the GPU copies a decode step's selected cold experts into its memory before computing them) or 0")),
-                },
-                workers_min_cold: match std::env::var("STRATA_WORKERS_MIN_COLD") {
-                    Ok(v) if !v.trim().is_empty() => match v.trim().parse::<f64>() {
-                        Ok(c) if c.is_finite() && c >= 0.0 => Some(c),
-                        _ => return Err(format!("STRATA_WORKERS_MIN_COLD: invalid value '{v}': expected the cold selections a token (0 or more) from which a layer's decode hands them to the workers")),
-                    },
-                    _ => None,
-                },
-            },
+            lab: crate::cli::lab::from_env()?,
         };
         if cfg.resident_cpu && cfg.profile.is_none() && cfg.adapt_every == 0 {
             return Err(
@@ -236,7 +174,7 @@ fn pads_per_layer(p: &Prepared) -> u64 {
 /// Slots per half of the prefill ring (0: none; see plan::ring_half), which may re-choose `hot`.
 fn ring_half(p: &Prepared, ranking: &[(u32, u32)], budget: u64, max: u64, hot: &mut plan::Hot) -> usize {
     let cfg = &p.cfg;
-    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || cfg.switches.emulate_ring) {
+    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || cfg.lab.emulate_ring) {
         return 0;
     }
     let req = plan::RingRequest { slots: cfg.ring_slots, budget, max, pads_per_layer: pads_per_layer(p) };
@@ -349,7 +287,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             policy: strata_residency::adapt::Policy::default(),
             prior: p.profile.as_ref().map(|prof| prior(prof, p.layout.n_expert)).unwrap_or_default(),
         }),
-        switches: cfg.switches.clone(),
+        lab: cfg.lab.clone(),
     };
     let t0 = std::time::Instant::now();
     let placement = moe::place(model, &plan, main_gpu).map_err(|e| e.to_string())?;
@@ -409,34 +347,13 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         (0, _) => "the CPU backend's threads".into(),
         (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
         (n, _) => format!("a pool of {n} workers"),
-    } + if placement.host_ops && cfg.pcie_frac == 0.0 { ", one host op per layer" } else { "" };
-    let hand_off = match placement.workers_in_step {
-        Some(moe::HandOff::Mailbox) => {
-            format!("handed over by host ops that a mailbox in mapped memory answers, {} stays one device graph a step", placement.hot_device)
-        }
-        Some(moe::HandOff::Callback) => format!("handed over by host callbacks: {}'s module has no mailbox for host ops (patches/0009)", placement.hot_device),
-        _ => "no GPU takes host ops: the CPU runs them between graph splits".to_string(),
     };
-    let step_workers = if placement.workers == 0 { "one thread (--pool-workers 0)".to_string() } else { cpu.clone() };
     let decode = match (placement.zero_copy_layers, &placement.zero_copy_off) {
-        (n, _) if n > 0 && placement.workers_layers > 0 => format!(
-            "computed by {step_workers} inside the device step in {} of {} tiered layers ({hand_off}; the GPU reads their hot experts through tables of pointers), read by {} from the page-locked RAM copy in the other {} (zero-copy); prompt batches and the rest on {cpu}",
-            placement.workers_layers,
-            p.layout.layers.len(),
-            placement.hot_device,
-            n - placement.workers_layers,
-        ),
         (n, _) if n > 0 => format!(
-            "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy, one device graph per step{}{}; prompt batches and the rest on {cpu})",
+            "read by {} from the page-locked RAM copy in {n} of {} tiered layers (zero-copy: one device graph a step, one mul_mat_id per matrix through tables of expert pointers; prompt batches and the rest on {cpu})",
             placement.hot_device,
             p.layout.layers.len(),
-            if placement.decode_table { ", every expert through a table of pointers: one mul_mat_id per matrix" } else { "" },
-            if placement.decode_stage { "; a step's selected cold experts staged into device memory first" } else { "" },
         ),
-        _ if placement.workers_in_step.is_some() && cfg.pcie_frac > 0.0 => {
-            format!("on {cpu} (STRATA_COLD_DECODE=workers does not apply: --pcie-frac uploads need the graph split)")
-        }
-        _ if placement.workers_in_step.is_some() => format!("on {step_workers} inside the device step ({hand_off}; prompt batches as before)"),
         (_, Some(why)) => format!("on {cpu} (zero-copy decode off: {why})"),
         _ => format!("on {cpu}"),
     };
@@ -503,9 +420,6 @@ impl Residency {
                     ("prefill_ring_staging_stalls_total", "counter", "Times a layer waited for its prefetch copies", r.stalls),
                     ("prefill_ring_batches_total", "counter", "Prompt batches that used the prefill ring", r.batches),
                     ("prefill_ring_waves_total", "counter", "Passes after a layer's first through the ring that computed cold experts", r.waves),
-                    ("prefill_ring_lent_experts", "gauge", "Cold experts decode reads from ring slots lent to it between prompt batches", r.lent),
-                    ("prefill_ring_lent_bytes_total", "counter", "Bytes copied into ring slots lent to decode", r.lent_bytes),
-                    ("prefill_ring_lent_selections_total", "counter", "Decode selections served from ring slots lent to decode", r.lent_hits),
                 ],
             );
         }

@@ -42,7 +42,7 @@ fn a_series_with_a_broken_patch_is_refused_and_a_good_one_applies_once() {
     let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
     assert_eq!(code, 0, "{err}");
     assert!(out.join("include/strata-hooks.h").exists());
-    assert!(out.join("ggml/src/ggml-cuda/strata/host-ops.cuh").exists());
+    assert!(out.join("ggml/src/ggml-cuda/strata/expert-windows.cuh").exists());
     let (code, err) = fetch(&[("STRATA_PATCHES", &patches), ("STRATA_VENDOR_OUT", &out)]);
     assert_eq!(code, 0);
     assert!(!err.contains("applying"), "a second run must be a no-op: {err}");

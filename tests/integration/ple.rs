@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use crate::support::{model, run_server, Server};
 
 const MODEL: &str = "tiny-gemma4-ple.gguf";
-/// gemma3n's table: 256 values per layer and token (fixed in llama.cpp), marked lazy by patches/0005.
+/// gemma3n's table: 256 values per layer and token (fixed in llama.cpp), marked lazy by patches/0004.
 const GEMMA3N: &str = "tiny-gemma3n-ple.gguf";
 /// qwen4exp's table is indexed by hashed n-gram heads, not by token.
 const QWEN4EXP: &str = "tiny-qwen4exp.gguf";

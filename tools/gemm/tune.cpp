@@ -1,5 +1,5 @@
 // The measuring half of tools/tune-gemm: times every candidate kernel of each dense matmul shape
-// on the GPU through ggml's own CUDA backend with Strata's dispatch (patches/0007), checks each
+// on the GPU through ggml's own CUDA backend with Strata's dispatch (patches/0006), checks each
 // candidate's result against the default kernel's, and writes the table STRATA_HIPBLASLT_TUNING
 // reads (docs/gemm-dispatch.md).
 //
@@ -106,7 +106,7 @@ int main(int argc, char ** argv) {
     char arch[64] = "cpu", runtime[64] = "-", blaslt[64] = "-";
     if (!cpu_smoke) {
         if (!reg_fn || !device_fn || !algos_fn) {
-            fprintf(stderr, "tune-gemm: the GPU backend has no Strata GEMM dispatch (patches/0007)\n");
+            fprintf(stderr, "tune-gemm: the GPU backend has no Strata GEMM dispatch (patches/0006)\n");
             return 1;
         }
         if (!device_fn(0, arch, runtime, blaslt, sizeof(arch))) {

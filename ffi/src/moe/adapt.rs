@@ -7,7 +7,7 @@
 //! A swap runs between batches, when no graph reads either expert: the hot expert's rows go
 //! through a page-locked staging buffer into the freed row of the copy, the cold expert's rows
 //! into the hot slot (straight from a page-locked or host-side copy, else through the staging
-//! buffer), and the layer's maps (hot tier, copy, zero-copy skip maps, expert tables, the prefill
+//! buffer), and the layer's maps (hot tier, copy, zero-copy decode's expert tables, the prefill
 //! ring's record) are rewritten. At most [`SWAPS_PER_BATCH`] run after one batch, so an
 //! interval's swaps spread over the following steps instead of stalling one.
 
@@ -331,7 +331,7 @@ fn exchange(lt: &LayerTiers, sw: &Swap, st: &StagingBuf, direct: bool) -> Option
 }
 
 /// Writes a layer's maps from its record of where each expert is: the per-position hot map, the
-/// prompt path's copy map, zero-copy decode's skip maps, the prefill ring's record.
+/// prompt path's copy map, zero-copy decode's tables, the prefill ring's record.
 fn publish(lt: &LayerTiers) {
     let Some(hot) = lt.hot.as_ref() else { return };
     let hot_slots = lt.hot_slots.lock().unwrap_or_else(|e| e.into_inner());
@@ -340,12 +340,11 @@ fn publish(lt: &LayerTiers) {
     if let Some(m) = lt.cold_map {
         set_map(m, &copy_map_of(&cold_rows, lt.n_cold));
     }
-    let lent = lt.ring.as_ref().map_or_else(Vec::new, |(ring, i)| ring.lent_to(*i));
     if let Some((ring, i)) = lt.ring.as_ref() {
         ring.reassign(*i, cold_rows, hot_slots.clone());
     }
     drop(hot_slots);
-    lt.write_decode_maps(&lent);
+    lt.write_decode_maps();
 }
 
 #[cfg(test)]

@@ -129,13 +129,14 @@ fn activation(op: sys::strata_ffn_op) -> Option<Activation> {
 /// The tiered layer's weighted expert sum [n_embd, n_tok], or None to let llama.cpp build it
 /// (unsupported activation, a layer only being counted, or routing of another width).
 ///
-/// Decode batches, and prompt batches whose cold selections are expected to be few, compute the
-/// cold selections on the CPU (custom ops, or the worker pool overlapping the hot tier): per
-/// slot in decode, added before weighting; as a weighted sum in prompt batches. With
-/// `--pcie-frac`, decode sends a share of them to staging slots on the GPU instead. Other prompt
-/// batches run the cold tier as a second mul_mat_id, which ggml offloads to the GPU uploading
-/// only the experts used. Where the GPU backend takes host ops, the CPU part is one op in its
-/// stream (pool::step).
+/// Decode batches of a layer with zero-copy reads run one mul_mat_id per matrix through tables
+/// of expert pointers. Otherwise decode batches, and prompt batches whose cold selections are
+/// expected to be few, compute the cold selections on the CPU (custom ops, or the worker pool
+/// overlapping the hot tier): per slot in decode, added before weighting; as a weighted sum in
+/// prompt batches. With `--pcie-frac`, decode sends a share of them to staging slots on the GPU
+/// instead. Prompt batches take the prefill ring where its cost model prefers it; others run the
+/// cold tier as a second mul_mat_id, which ggml offloads to the GPU uploading only the experts
+/// used.
 pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Option<NonNull<sys::ggml_tensor>> {
     let act = activation(args.ffn_op)?;
     lt.set_activation(act);
@@ -155,10 +156,9 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let prompt = n_tok >= OFFLOAD_MIN_BATCH;
 
     // The counting op runs on the CPU; a host weight among its sources places it there directly.
-    // Decode with the workers in the step counts in a host op instead, keeping the step whole.
     let count = || {
         let mut srcs = vec![sel];
-        srcs.extend(host_cold_weight(lt).filter(|_| prompt || !lt.workers_in_step));
+        srcs.extend(host_cold_weight(lt));
         let c = g.named(g.custom([1, 1, 1], &mut srcs, Some(kernels::count), 1, lt), "strata_count");
         g.expand(c);
     };
@@ -221,57 +221,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             None => out,
         });
     }
-    // A layer whose cold selections go to the workers inside the step reads its hot experts
-    // through the tables, cold ones pointing at a zero pad in VRAM; the workers add the rest.
-    let workers_table = lt.workers_in_step && lt.n_cold > 0 && !prompt;
-    if let Some(t) = lt.zero_copy.as_ref().filter(|z| workers_table && n_tok <= z.max_tokens).and_then(|z| z.by_table.as_ref()) {
-        // Inside the device step every source is one more copy to the host: only cur and sel.
-        let ticket = (lt.cold_threads > 0).then(|| {
-            let t = g.named(g.custom([1, 1, 1], &mut [args.cur, sel], Some(pool::launch), 1, lt), "strata_pool_launch");
-            g.expand(t);
-            t
-        });
-        let hot = g.ffn("strata_table_mm", &t.mats, sel, act, false)?;
-        g.expand(hot);
-        let cold = match ticket {
-            Some(t) => g.named(g.custom([n_embd, n_used, n_tok], &mut [t], Some(pool::join), 1, lt), "strata_pool_join"),
-            None => g.named(g.custom([n_embd, n_used, n_tok], &mut [args.cur, sel, sel], Some(pool::step), 1, lt), "strata_pool_step"),
-        };
-        // SAFETY: both are [n_embd, n_used, n_tok] f32 graph tensors, each zero where the other computes.
-        let experts = unsafe { sys::ggml_add(g.ctx, hot, cold) };
-        return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
-    }
-    // Zero-copy decode: the hot tier and the page-locked copy each run mul_mat_id over the same
-    // routing, skipping the other's experts; no CPU op, so the step stays one device graph. A
-    // layer without cold experts runs the hot chain alone and logs its routing the same way.
-    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens && !workers_table) {
-        // SAFETY: the log is [n_used, MAX_TOKENS] f32 and sel a contiguous [n_used, n_tok] i32.
-        let log = || unsafe {
-            let log = sys::ggml_view_2d(g.ctx, zc.log, n_used, n_tok, (*zc.log).nb[1], 0);
-            g.expand(sys::ggml_cpy(g.ctx, sel, log));
-        };
-        // Through the tables every expert id addresses its own weights: one chain, the routing as
-        // is; the down projection's kernels write the log.
-        if let Some(t) = zc.by_table.as_ref() {
-            let experts = g.ffn("strata_table_mm", &t.logged, sel, act, false)?;
-            return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
-        }
-        let hot_ids = |hot: &super::Hot| zc.hot_skip_map.map_or_else(|| g.remap_positions(hot.map, sel), |m| g.remap(m, sel));
-        // With ring slots lent to decode, the hot chain reads the whole window: hot and lent slots.
-        let down_hot = match (lt.decode_window.as_ref().filter(|_| lt.lendable()), zc.hot_skip_map) {
-            (Some(w), Some(m)) => g.ffn("strata_hot_mm", w, g.remap(m, sel), act, false),
-            _ => lt.hot.as_ref().and_then(|hot| g.ffn("strata_hot_mm", &hot.mats, hot_ids(hot), act, false)),
-        };
-        let down_cold = if lt.n_cold > 0 { Some(g.ffn("strata_cold_zc", &zc.mats, g.remap(zc.skip_map, sel), act, false)?) } else { None };
-        if down_hot.is_none() && down_cold.is_none() {
-            return None;
-        }
-        log();
-        let experts = match (down_hot, down_cold) {
-            // SAFETY: both are [n_embd, n_used, n_tok] graph tensors, each zero where the other computes.
-            (Some(h), Some(c)) => unsafe { sys::ggml_add(g.ctx, h, c) },
-            (h, c) => h.or(c)?,
-        };
+    // Zero-copy decode: every expert id addresses its own weights through the tables, hot ones
+    // in VRAM and cold ones in the page-locked copy; no CPU op, so the step stays one device
+    // graph, and the down projection's kernels write the routing log.
+    if let Some(zc) = lt.zero_copy.as_ref().filter(|z| n_tok <= z.max_tokens) {
+        let experts = g.ffn("strata_table_mm", &zc.table.mats, sel, act, false)?;
         return NonNull::new(weighted_sum(&g, experts, n_embd, n_tok, n_used));
     }
     // A windowed layer whose batch skips the ring keeps its cold selections on the CPU, as does
@@ -293,19 +247,11 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         g.expand(u);
         u
     });
-    // Decode's cold selections handed to the workers inside the device step: launch and join as
-    // host ops around the hot chain (no cold weight among their sources, so they stay on the GPU).
-    let in_step = cold_cpu && !prompt && lt.workers_in_step && upload_ids.is_none();
-    // A host op keeps the layer in the GPU's stream; it does not take `--pcie-frac` uploads.
-    let host_step = cold_cpu && upload_ids.is_none() && if in_step { lt.cold_threads == 0 } else { lt.host_op };
     // With the worker pool, the cold experts start before the hot ones are queued (see pool.rs).
-    let ticket = (cold_cpu && !host_step && lt.cold_threads > 0).then(|| {
-        // Inside the device step every source is one more copy to the host: only cur and sel.
-        let mut srcs = if in_step { vec![args.cur, sel] } else { vec![args.cur, sel, cpu_weights] };
+    let ticket = (cold_cpu && lt.cold_threads > 0).then(|| {
+        let mut srcs = vec![args.cur, sel, cpu_weights];
         srcs.extend(upload_ids);
-        if !in_step {
-            srcs.extend(cold_srcs());
-        }
+        srcs.extend(cold_srcs());
         let t = g.named(g.custom([1, 1, 1], &mut srcs, Some(pool::launch), 1, lt), "strata_pool_launch");
         g.expand(t);
         t
@@ -348,9 +294,6 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
     let cold_ne = if weighted_cold { [n_embd, n_tok, 1] } else { [n_embd, n_used, n_tok] };
     let cold_cpu_out = if !cold_cpu {
         None
-    } else if host_step {
-        // No cold weight among the sources: the op goes where its inputs are.
-        Some(g.named(g.custom(cold_ne, &mut [args.cur, sel, cpu_weights], Some(pool::step), 1, lt), "strata_pool_step"))
     } else if let Some(t) = ticket {
         Some(g.named(g.custom(cold_ne, &mut [t], Some(pool::join), 1, lt), "strata_pool_join"))
     } else {

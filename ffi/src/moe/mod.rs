@@ -19,8 +19,6 @@ mod pool;
 pub mod ring;
 mod zero_copy;
 
-pub use zero_copy::ColdDecode;
-
 use std::collections::HashMap;
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicI32, AtomicU64, AtomicU8, Ordering};
@@ -118,61 +116,33 @@ pub struct Plan {
     pub ring_half: usize,
     /// `--adapt-every`: exchange experts between the hot tier and the RAM copy at run time.
     pub adapt: Option<adapt::AdaptPlan>,
-    pub switches: Switches,
+    pub lab: Lab,
 }
 
-/// Switches for tests and diagnostics; the server reads them from the environment once.
+/// Settings for tests and experiments (`STRATA_LAB`, docs/lab.md); the product path is the
+/// default of each.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub struct Switches {
-    /// Every batch's cold tier as a flat mul_mat_id of one expert per column (STRATA_MOE_FLAT_IDS=1).
+pub struct Lab {
+    /// Every batch's cold tier as a flat mul_mat_id of one expert per column (`flat-ids`): the
+    /// graph a GPU builds from 4 tokens, on the CPU.
     pub flat_ids: bool,
-    /// The cold selections as one host op per layer (STRATA_MOE_HOST_OP=1).
-    pub host_op: bool,
-    /// The prefill ring built on the CPU (STRATA_RING_EMULATE=1).
+    /// The prefill ring built on the CPU (`emulate-ring`).
     pub emulate_ring: bool,
-    /// Where the ring writes its per-layer timeline (STRATA_RING_TRACE).
+    /// Zero-copy decode on a machine without a GPU (`zero-copy`): the CPU's mul_mat_id reads the
+    /// RAM copy through the same tables of pointers a GPU's kernels read.
+    pub zero_copy_on_cpu: bool,
+    /// Where the ring writes its per-layer timeline (`ring-trace=FILE`).
     pub ring_trace: Option<std::path::PathBuf>,
-    /// The most passes through the ring a layer's prompt batch may take (STRATA_RING_WAVES;
-    /// None: ring::DEFAULT_PASSES).
+    /// The most passes through the ring a layer's prompt batch may take (`ring-waves=N`; None:
+    /// ring::DEFAULT_PASSES).
     pub ring_waves: Option<usize>,
     /// The ring's copier issues at most this many bytes before it waits for them
-    /// (STRATA_RING_COPY_PACE_KIB; Some(0): a job's copies at once; None: ring::DEVICE_PACE on a
-    /// device, none in the emulation).
+    /// (`ring-pace-kib=N`; Some(0): a job's copies at once; None: ring::DEVICE_PACE on a device,
+    /// none in the emulation).
     pub ring_copy_pace: Option<usize>,
     /// The least chance of use for which the ring prefetches a cold expert
-    /// (STRATA_RING_PREFETCH_MIN_P; None: ring::PREFETCH_MIN_P).
+    /// (`ring-prefetch-min-p=P`; None: ring::PREFETCH_MIN_P).
     pub ring_prefetch_min_p: Option<f64>,
-    /// Between prompt batches the ring's slots hold decode's next-best cold experts
-    /// (STRATA_RING_LEND=1; zero-copy decode only).
-    pub ring_lend: bool,
-    /// Zero-copy decode runs one mul_mat_id per matrix whose experts are addressed through a
-    /// table of pointers into the hot tier and the RAM copy (STRATA_DECODE_TABLE, patches/0008);
-    /// None: on where the hot tier is on a CUDA device, whose kernels were measured with it.
-    pub decode_table: Option<bool>,
-    /// How decode reaches cold experts (STRATA_COLD_DECODE=cpu|mapped|workers|mixed); None: mapped
-    /// where the cold experts are a page-locked copy that the GPU can read, else the CPU.
-    pub cold_decode: Option<ColdDecode>,
-    /// Zero-copy decode through tables copies a step's selected cold experts into device memory
-    /// with one kernel before computing them (STRATA_DECODE_STAGE=1, patches/0010).
-    pub decode_stage: bool,
-    /// With `ColdDecode::Mixed`, the cold selections a token must be expected to make in a layer
-    /// for the workers to take it (STRATA_WORKERS_MIN_COLD; None: WORKERS_MIN_COLD).
-    pub workers_min_cold: Option<f64>,
-}
-
-/// The expected cold selections a token from which a layer's decode hands them to the workers
-/// rather than reading them over the bus (`ColdDecode::Mixed`).
-pub const WORKERS_MIN_COLD: f64 = 0.5;
-
-/// How a GPU backend hands host ops to the CPU.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HandOff {
-    /// A mailbox in mapped memory that a host thread answers (patches/0009).
-    Mailbox,
-    /// A host callback in the stream (patches/0002 alone: tens of microseconds each).
-    Callback,
-    /// No GPU, or one without host ops: the CPU runs the ops in its own graph split.
-    Cpu,
 }
 
 /// Experts and bytes per tier after placement.
@@ -182,11 +152,6 @@ pub struct Placement {
     pub bytes: [u64; 3],
     /// The device that holds the hot tier ("CUDA0", or "CPU" without a GPU).
     pub hot_device: String,
-    /// Whether the CPU part of a tiered layer runs as a host op in the GPU's stream.
-    pub host_ops: bool,
-    /// Whether decode's cold experts run on the workers inside the device step
-    /// (STRATA_COLD_DECODE=workers), and how the GPU hands them over.
-    pub workers_in_step: Option<HandOff>,
     /// Workers of the cold-expert pool (0: none).
     pub workers: usize,
     /// The prefill ring, when one was built: a line for the start-up log.
@@ -195,14 +160,6 @@ pub struct Placement {
     /// others do not (empty when all do or none was asked to).
     pub zero_copy_layers: usize,
     pub zero_copy_off: Option<String>,
-    /// Whether zero-copy decode reads experts through tables of pointers.
-    pub decode_table: bool,
-    /// Whether those tables name the RAM copy's range for staging (STRATA_DECODE_STAGE=1).
-    pub decode_stage: bool,
-    /// Tiered layers whose decode hands its cold selections to the workers inside the step
-    /// (STRATA_COLD_DECODE=workers or mixed); where they are zero-copy layers too, the GPU reads
-    /// their hot experts through the tables and the other zero-copy layers read cold ones over the bus.
-    pub workers_layers: usize,
     /// Tiered layers whose hot tier adapts at run time (`--adapt-every`), and why others do not.
     pub adapt_layers: usize,
     pub adapt_off: Option<String>,
@@ -214,18 +171,11 @@ pub struct Tally {
     per_expert: Vec<AtomicU64>,
     /// Cold experts copied to the staging slots in decode (`--pcie-frac`).
     pub uploads: AtomicU64,
-    /// Cold selections decode read from ring slots lent to it.
-    pub lent_hits: AtomicU64,
 }
 
 impl Tally {
     fn new(n_expert: usize) -> Self {
-        Self {
-            hits: Default::default(),
-            per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect(),
-            uploads: AtomicU64::new(0),
-            lent_hits: AtomicU64::new(0),
-        }
+        Self { hits: Default::default(), per_expert: (0..n_expert).map(|_| AtomicU64::new(0)).collect(), uploads: AtomicU64::new(0) }
     }
 }
 
@@ -320,23 +270,13 @@ pub(crate) struct LayerTiers {
     cold_share_prior: f64,
     pub staging: Option<Staging>,
     pub pcie_frac: f64,
-    /// The cold selections run as one host op (`pool::step`) instead of CPU-backend ops.
-    pub host_op: bool,
-    /// Decode hands its cold selections to the workers before the hot chain and takes their
-    /// result after it, both as host ops (`pool::launch`, `pool::join`), so they overlap.
-    pub workers_in_step: bool,
     pub tally: Arc<Tally>,
-    /// The window tensors ([hot slots | pads | ring], patches/0003) and the ring with this
+    /// The window tensors ([hot slots | pads | ring], patches/0002) and the ring with this
     /// layer's index in it, when prompt batches may use the prefill ring.
     pub window: Option<Mats<T>>,
     pub ring: Option<(Arc<ring::Ring>, usize)>,
     /// Tensors over the ring's other half (odd passes of a layer in waves), when it may take them.
     pub ring_other: Option<Mats<T>>,
-    /// The window again for decode, whose hot tier then includes ring slots lent to it between
-    /// prompt batches (own tensors: the prompt path leaves bounds on the window's).
-    pub decode_window: Option<Mats<T>>,
-    /// expert -> decode reads it from a lent ring slot.
-    lent: Vec<std::sync::atomic::AtomicBool>,
     /// The most passes through the ring, and those the graph being computed has.
     max_passes: usize,
     passes: std::sync::atomic::AtomicUsize,
@@ -376,36 +316,12 @@ impl LayerTiers {
         self.cold_rows.len()
     }
 
-    /// Whether decode reads this layer's hot tier through its window, so ring slots can be lent to it.
-    pub(crate) fn lendable(&self) -> bool {
-        self.decode_window.is_some() && self.zero_copy.as_ref().is_some_and(|z| z.hot_skip_map.is_some())
-    }
-
-    /// Writes zero-copy decode's two maps from the record of where each expert is, with `lent`
-    /// (expert, window slot) read from ring slots instead of the RAM copy while still cold.
-    pub(crate) fn write_decode_maps(&self, lent: &[(i32, usize)]) {
+    /// Writes zero-copy decode's tables from the record of where each expert is.
+    pub(crate) fn write_decode_maps(&self) {
         let Some(z) = self.zero_copy.as_ref() else { return };
-        let mut hot: Vec<i32> = self.hot_slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut cold: Vec<i32> = self.cold_rows.iter().map(|r| r.load(Ordering::Relaxed)).collect();
-        self.lent.iter().for_each(|f| f.store(false, Ordering::Relaxed));
-        if self.lendable() {
-            for &(e, slot) in lent {
-                let Some(e) = usize::try_from(e).ok().filter(|&e| cold.get(e).is_some_and(|&r| r >= 0)) else { continue };
-                cold[e] = -1;
-                hot[e] = slot as i32;
-                self.lent[e].store(true, Ordering::Relaxed);
-            }
-        }
-        set_map(z.skip_map, &cold);
-        if let Some(m) = z.hot_skip_map {
-            set_map(m, &hot);
-        }
-        if let Some(t) = z.by_table.as_ref() {
-            // Lent slots count from the window's base, where the hot tier's slots begin too.
-            // The workers' layers point cold experts at a zero pad: the hot tier's first.
-            let hot_pad = self.workers_in_step.then_some(self.n_hot);
-            t.write(self.decode_window.as_ref().or(self.hot.as_ref().map(|h| &h.mats)), &z.mats, &hot, &cold, hot_pad);
-        }
+        let hot: Vec<i32> = self.hot_slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let cold: Vec<i32> = self.cold_rows.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+        z.table.write(self.hot.as_ref().map(|h| &h.mats), &z.mats, &hot, &cold);
     }
 
     pub(crate) fn cold_row(&self, e: i32) -> Option<usize> {
@@ -634,36 +550,6 @@ pub fn hits() -> [u64; 3] {
     out
 }
 
-/// Before a batch of `model`; one of at most zero_copy::MAX_TOKENS tokens reads decode's maps:
-/// then, with STRATA_RING_LEND=1, moves the rings' lending on ([`ring::Ring::lend_step`]) and writes
-/// the decode maps of the layers it changed. The device is idle (the last batch has ended).
-pub(crate) fn before_decode(model: usize, n_tokens: i64) {
-    if !LEND.load(Ordering::Relaxed) || n_tokens > zero_copy::MAX_TOKENS {
-        return;
-    }
-    let Ok(r) = REGISTRY.read() else { return };
-    let layers: Vec<&Arc<LayerTiers>> = r.as_ref().into_iter().flat_map(HashMap::values).filter(|lt| lt.model == model && lt.ring.is_some()).collect();
-    let mut rings: Vec<&Arc<ring::Ring>> = Vec::new();
-    for lt in &layers {
-        if let Some((ring, _)) = lt.ring.as_ref() {
-            if !rings.iter().any(|x| Arc::ptr_eq(x, ring)) {
-                rings.push(ring);
-            }
-        }
-    }
-    for ring in rings {
-        let of = |i: usize| layers.iter().find(|lt| lt.ring.as_ref().is_some_and(|(r, j)| Arc::ptr_eq(r, ring) && *j == i));
-        for (i, lent) in ring.lend_step(&|i| of(i).is_some_and(|lt| lt.lendable())) {
-            if let Some(lt) = of(i) {
-                lt.write_decode_maps(&lent);
-            }
-        }
-    }
-}
-
-/// Set when a model's ring lends its slots to decode.
-static LEND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
 /// Counts the selections that zero-copy decode steps of `model` logged since the last call.
 /// Called after a batch's graph has finished (Context::decode synchronises its context first).
 pub(crate) fn after_decode(model: usize) {
@@ -675,8 +561,6 @@ pub(crate) fn after_decode(model: usize) {
             z.take_log(&mut sel);
             if !sel.is_empty() {
                 kernels::tally(lt, &sel);
-                let lent = sel.iter().filter(|&&e| usize::try_from(e).ok().and_then(|e| lt.lent.get(e)).is_some_and(|f| f.load(Ordering::Relaxed))).count();
-                lt.tally.lent_hits.fetch_add(lent as u64, Ordering::Relaxed);
             }
         }
     }
@@ -704,11 +588,6 @@ pub struct RingCounters {
     pub stalls: u64,
     pub batches: u64,
     pub waves: u64,
-    /// Experts decode reads from lent ring slots now, the bytes copied to lend them, and the
-    /// decode selections served there.
-    pub lent: u64,
-    pub lent_bytes: u64,
-    pub lent_hits: u64,
 }
 
 /// Every prefill ring built, for /metrics (dropped with the last layer that uses it).
@@ -728,11 +607,6 @@ pub fn ring_stats() -> Option<RingCounters> {
         o.stalls += s.stalls.load(Ordering::Relaxed);
         o.batches += s.batches.load(Ordering::Relaxed);
         o.waves += s.waves.load(Ordering::Relaxed);
-        o.lent += ring.lent_now() as u64;
-        o.lent_bytes += s.lent_bytes.load(Ordering::Relaxed);
-    }
-    if let (Some(o), Ok(r)) = (out.as_mut(), REGISTRY.read()) {
-        o.lent_hits = r.as_ref().into_iter().flat_map(HashMap::values).map(|lt| lt.tally.lent_hits.load(Ordering::Relaxed)).sum();
     }
     out
 }
@@ -820,41 +694,6 @@ fn flat_from(gpu: bool, quantized: bool, flat_ids: bool) -> i64 {
     }
 }
 
-/// Registers the pool's ops as host ops of a GPU backend (patches/0002) when `on`
-/// (STRATA_MOE_HOST_OP=1 or STRATA_COLD_DECODE=workers), so that a tiered layer's CPU part stays
-/// in the device's stream: one device split per step. With `mailbox` the backend answers them
-/// through a mailbox in mapped memory (patches/0009) instead of host callbacks, which on the H200
-/// measured slower than the scheduler's CPU splits (docs/expert-tiers.md). Elsewhere the CPU
-/// runs the ops as ordinary ones (tests of those graphs).
-fn host_ops(dev: sys::ggml_backend_dev_t, gpu: bool, on: bool, mailbox: bool) -> HandOff {
-    if !on || !gpu {
-        return HandOff::Cpu;
-    }
-    type Register = unsafe extern "C" fn(sys::ggml_custom_op_t);
-    let Some(f) = crate::backend::proc_address(dev, c"ggml_backend_register_host_op") else { return HandOff::Cpu };
-    for op in [pool::step, pool::launch, pool::join, kernels::count] {
-        // SAFETY: the proc address has the Register signature (patches/0002) and keeps the
-        // function pointer for the process's lifetime.
-        unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(f)(Some(op)) };
-    }
-    if !mailbox {
-        return HandOff::Callback;
-    }
-    type ByFlag = unsafe extern "C" fn(bool);
-    let (Some(by_flag), Some(register_async)) =
-        (crate::backend::proc_address(dev, c"ggml_backend_host_ops_by_flag"), crate::backend::proc_address(dev, c"ggml_backend_register_host_op_async"))
-    else {
-        return HandOff::Callback;
-    };
-    // The launch writes nothing the device reads, and its join, later in the same graph, waits
-    // for it: the stream need not. (The count stays waited for, so no op outlives its graph.)
-    // SAFETY: the proc address has the Register signature (patches/0009).
-    unsafe { std::mem::transmute::<*mut std::ffi::c_void, Register>(register_async)(Some(pool::launch)) };
-    // SAFETY: the proc address has the ByFlag signature (patches/0009).
-    unsafe { std::mem::transmute::<*mut std::ffi::c_void, ByFlag>(by_flag)(true) };
-    HandOff::Mailbox
-}
-
 /// Allocates tensors shaped like `src` with `n_slots` experts, plus an i32 expert map, in one
 /// buffer of `buft`.
 struct Alloc {
@@ -892,7 +731,7 @@ impl Alloc {
         }
     }
 
-    /// One u64 per expert id (patches/0008's table of expert pointers), as i32 pairs.
+    /// One u64 per expert id (patches/0007's table of expert pointers), as i32 pairs.
     fn table(&self, n_expert: usize, name: &str) -> T {
         // SAFETY: ctx has room for the metadata.
         unsafe {
@@ -1003,14 +842,14 @@ fn set_map(t: T, map: &[i32]) {
 
 /// A layer's ring tensors: its windows, the hot tensors within them, and (for passes in waves)
 /// tensors over the other half of the ring.
-type Windows = (Mats<T>, Mats<T>, Option<Mats<T>>, Mats<T>);
-/// Per matrix: the window, hot, other-half and decode tensors.
-type WindowParts = (T, T, Option<T>, T);
+type Windows = (Mats<T>, Mats<T>, Option<Mats<T>>);
+/// Per matrix: the window, hot and other-half tensors.
+type WindowParts = (T, T, Option<T>);
 
 /// Allocates a layer's windows: per matrix, `head_slots` experts of its own (hot experts, then
 /// pads) followed by the ring. Returns the window tensors ([head_slots + ring slots]), the hot
-/// tensors over their first `head_slots` experts, with `other` tensors over the ring's other
-/// half alone, and decode's tensors over the whole window.
+/// tensors over their first `head_slots` experts, and with `other` tensors over the ring's other
+/// half alone.
 fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i32, other: bool, owned: &mut Owned) -> Result<Windows, PlaceError> {
     let a = Alloc::new(12);
     owned.ctxs.push(a.ctx);
@@ -1040,7 +879,6 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         owned.bufs.push(buf);
         let win = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.window"));
         let hot = a.like(t, head_slots, &format!("blk.{il}.exps.hot"));
-        let dec = a.like(t, head_slots + ring_slots, &format!("blk.{il}.exps.decode_window"));
         let alloc_err = || PlaceError::Alloc {
             what: format!("layer {il} expert window tensors"),
             bytes: (head + ring_bytes) as u64,
@@ -1052,7 +890,6 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
             let base = sys::ggml_backend_buffer_get_base(buf);
             if sys::ggml_backend_tensor_alloc(buf, win, base) != sys::GGML_STATUS_SUCCESS
                 || sys::ggml_backend_tensor_alloc(buf, hot, base) != sys::GGML_STATUS_SUCCESS
-                || sys::ggml_backend_tensor_alloc(buf, dec, base) != sys::GGML_STATUS_SUCCESS
             {
                 err = Some(alloc_err());
                 return None;
@@ -1078,14 +915,14 @@ fn windows(r: &ring::Ring, src: &Mats<T>, head_slots: usize, half: usize, il: &i
         } else {
             None
         };
-        Some((win, hot, rest, dec))
+        Some((win, hot, rest))
     };
     let parts = src.map(pair);
     match (parts, err) {
         (Some(p), None) => {
-            let rest = other.then(|| p.map(|(_, _, o, _)| o)).flatten();
+            let rest = other.then(|| p.map(|(_, _, o)| o)).flatten();
             let part = |f: fn(&WindowParts) -> T| p.map(|x| Some(f(&x))).expect("infallible");
-            Ok((part(|x| x.0), part(|x| x.1), rest, part(|x| x.3)))
+            Ok((part(|x| x.0), part(|x| x.1), rest))
         }
         (_, Some(e)) => Err(e),
         (None, None) => Err(PlaceError::Alloc { what: format!("layer {il} expert window"), bytes: 0, device: "the hot tier's device".into() }),
@@ -1111,12 +948,12 @@ fn start_ring(
         // SAFETY: the CPU device exists whenever the CPU backend is loaded.
         Some(unsafe { sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU)) })
     };
-    let pace = match plan.switches.ring_copy_pace {
+    let pace = match plan.lab.ring_copy_pace {
         Some(0) => None,
         Some(b) => Some(b),
         None => (!r.emulated).then_some(ring::DEVICE_PACE),
     };
-    r.start(staging_buft, expert_bytes, pace, plan.switches.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
+    r.start(staging_buft, expert_bytes, pace, plan.lab.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
     let ringed = entries.iter().map(|(_, lt)| lt).find(|lt| lt.ring.is_some());
@@ -1127,7 +964,7 @@ fn start_ring(
         ColdCopy::Mapped => "through a page-locked staging buffer from the file mapping",
     };
     let what = if r.emulated {
-        "emulated on the CPU (STRATA_RING_EMULATE=1)".to_string()
+        "emulated on the CPU (STRATA_LAB=emulate-ring)".to_string()
     } else {
         format!("{:.2} GiB on the device", r.bytes as f64 / (1u64 << 30) as f64)
     };
@@ -1151,15 +988,6 @@ fn start_ring(
         Some(b) => format!("; copies paced, {} KiB at a time", b >> 10),
         None => "; copies unpaced".to_string(),
     };
-    let lending = entries.iter().filter(|(_, lt)| lt.ring.is_some() && lt.lendable()).count();
-    if lending > 0 {
-        LEND.store(true, Ordering::Relaxed);
-        line += &format!(
-            "; between prompt batches its slots hold the most selected cold experts of the {lending} layers whose decode reads them (STRATA_RING_LEND=1), taken back by the next prompt batch"
-        );
-    } else if plan.switches.ring_lend {
-        line += "; STRATA_RING_LEND=1 lends nothing: no windowed layer decodes with zero-copy reads";
-    }
     if r.emulated {
         line += "; emulated, every prompt batch takes it";
     }
@@ -1178,20 +1006,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
     let dev = hot_device(main_gpu);
     // SAFETY: valid device.
     let gpu = unsafe { sys::ggml_backend_dev_type(dev) == sys::GGML_BACKEND_DEVICE_TYPE_GPU };
-    let in_step = !plan.count_only && matches!(plan.switches.cold_decode, Some(ColdDecode::Workers | ColdDecode::Mixed));
-    let hand_off = if plan.count_only { HandOff::Cpu } else { host_ops(dev, gpu, plan.switches.host_op || in_step, in_step) };
-    let host_op = !plan.count_only && plan.switches.host_op;
-    let mut workers = 0;
-    if plan.cold_threads > 0 && !plan.count_only {
-        workers = plan.cold_threads as usize;
-        if hand_off != HandOff::Cpu {
-            // The thread answering host ops (callbacks or the mailbox) and the one waiting on the
-            // stream spin as well; a worker without a core of its own stalls every step's barrier.
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            workers = workers.min(cores.saturating_sub(2)).max(1);
-        }
-        workers = pool::get(workers).workers();
-    }
+    let workers = if plan.cold_threads > 0 && !plan.count_only { pool::get(plan.cold_threads as usize).workers() } else { 0 };
     // SAFETY: valid device.
     let (hot_buft, dev_name) =
         unsafe { (sys::ggml_backend_dev_buffer_type(dev), std::ffi::CStr::from_ptr(sys::ggml_backend_dev_name(dev)).to_string_lossy().into_owned()) };
@@ -1208,11 +1023,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Some(b)
         }
     };
-    let decode_table = plan.switches.decode_table.unwrap_or(gpu && dev_name.starts_with("CUDA"));
-    let mut placement =
-        Placement { hot_device: dev_name.clone(), host_ops: host_op, workers_in_step: in_step.then_some(hand_off), workers, ..Default::default() };
-    let emulate = plan.switches.emulate_ring;
-    let trace = plan.switches.ring_trace.as_deref();
+    let mut placement = Placement { hot_device: dev_name.clone(), workers, ..Default::default() };
+    let emulate = plan.lab.emulate_ring;
+    let trace = plan.lab.ring_trace.as_deref();
     let ring = if plan.ring_half > 0 && !plan.count_only && (gpu || emulate) {
         // One ring per matrix kind, as large as the widest layer's experts of that kind.
         let mut max_nb2: Vec<usize> = Vec::new();
@@ -1233,27 +1046,19 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         } else {
             let r = ring::Ring::new_device(dev, plan.ring_half, &max_nb2, pinned, trace);
             if r.is_none() {
-                placement.ring = Some(format!("prefill ring: off ({dev_name} has no expert windows: patches/0003 missing, no virtual memory management, or too little memory for {} slots)", 2 * plan.ring_half));
+                placement.ring = Some(format!("prefill ring: off ({dev_name} has no expert windows: patches/0002 missing, no virtual memory management, or too little memory for {} slots)", 2 * plan.ring_half));
             }
             r
         }
     } else {
         None
     };
-    // The workers' layers read their hot experts through the zero-copy layer's tables (cold
-    // entries at a zero pad in VRAM); the GPU reaches a RAM copy only when it is page-locked.
-    let zero_copy_wanted = !plan.count_only
-        && match plan.switches.cold_decode {
-            Some(ColdDecode::Mapped) => plan.cold != ColdCopy::Mapped,
-            Some(ColdDecode::Workers | ColdDecode::Mixed) => plan.cold == ColdCopy::PinnedRam || (!gpu && plan.cold != ColdCopy::Mapped),
-            Some(ColdDecode::Cpu) => false,
-            None => gpu && plan.cold == ColdCopy::PinnedRam,
-        };
-    let workers_min_cold = match plan.switches.cold_decode {
-        Some(ColdDecode::Mixed) => plan.switches.workers_min_cold.unwrap_or(WORKERS_MIN_COLD),
-        _ => 0.0,
-    };
-    if gpu && plan.switches.cold_decode.is_none() && !plan.count_only && plan.cold != ColdCopy::PinnedRam {
+    // Decode reads cold experts over the bus wherever the GPU can address them: a page-locked
+    // RAM copy. Elsewhere the CPU computes them (on a GPU machine, measured slower than reading
+    // them: 111 against 149 t/s on an H100 at 24 GiB).
+    let zero_copy_wanted =
+        !plan.count_only && plan.cold != ColdCopy::Mapped && (if gpu { plan.cold == ColdCopy::PinnedRam } else { plan.lab.zero_copy_on_cpu });
+    if gpu && !plan.count_only && plan.cold != ColdCopy::PinnedRam {
         placement.zero_copy_off = Some("the cold experts are not a page-locked copy (--resident-experts)".into());
     }
     let mut max_expert_bytes = 0usize;
@@ -1290,13 +1095,13 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // With the ring, the hot experts and pads live in windows: [hot | pads | ring] per matrix.
         let windowed = ring.as_ref().filter(|_| n_cold > 0 && (copy.is_some() || info.host));
         // Passes in waves need the backend to skip ids of -1: the CPU's kernels do, a GPU's
-        // only for quantized experts (patches/0006).
-        let max_passes = if quantized || !gpu { plan.switches.ring_waves.unwrap_or(ring::DEFAULT_PASSES).clamp(1, ring::MAX_PASSES) } else { 1 };
-        let (mut window, mut ring_other, mut decode_window) = (None, None, None);
+        // only for quantized experts (patches/0005).
+        let max_passes = if quantized || !gpu { plan.lab.ring_waves.unwrap_or(ring::DEFAULT_PASSES).clamp(1, ring::MAX_PASSES) } else { 1 };
+        let (mut window, mut ring_other) = (None, None);
         let hot_mats = match windowed {
             Some(r) => {
-                let (w, h, o, d) = windows(r, &src, n_hot + n_used, plan.ring_half, il, max_passes > 1, &mut owned)?;
-                (window, ring_other, decode_window) = (Some(w), o, Some(d));
+                let (w, h, o) = windows(r, &src, n_hot + n_used, plan.ring_half, il, max_passes > 1, &mut owned)?;
+                (window, ring_other) = (Some(w), o);
                 (n_hot > 0).then_some(h)
             }
             None => (n_hot > 0).then(|| src.map(|t| Some(a.like(t, n_hot + n_used, &format!("blk.{il}.exps.hot")))).expect("infallible")),
@@ -1305,19 +1110,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let mapped_cold = copy.is_none() && !cold_list.is_empty() && !plan.count_only;
         let cold_map = (copy.is_some() || mapped_cold).then(|| a.map(n_expert, &format!("blk.{il}.exps.cold_map")));
         let cold_mask = mapped_cold.then(|| a.mask(n_expert, &format!("blk.{il}.exps.cold_mask")));
-        let skip_map = zc_layer.then(|| a.map(n_expert, &format!("blk.{il}.exps.skip_map")));
         let cold_share_prior = plan.cold_share.iter().find(|(l, _)| l == il).map_or(n_cold as f64 / n_expert as f64, |&(_, c)| c);
-        // Decode's cold selections to the workers: every layer with cold experts, or (mixed) those
-        // expected to select enough of them a token that reading them over the bus costs more.
-        // (--pcie-frac's uploads need the graph split: then they stay outside the step.)
-        let layer_workers = in_step && n_cold > 0 && plan.pcie_frac == 0.0 && n_used as f64 * cold_share_prior >= workers_min_cold;
-        // Decode's hot chain also runs without hot experts when ring slots may be lent to it
-        // (not where the workers compute the cold ones: they would compute a lent one too).
-        let lend_layer = plan.switches.ring_lend && windowed.is_some() && !layer_workers;
-        let hot_skip_map = (zc_layer && (n_hot > 0 || lend_layer)).then(|| a.map(n_expert, &format!("blk.{il}.exps.hot_skip_map")));
-        let tables = (zc_layer && decode_table).then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
-        placement.decode_table |= tables.is_some();
-        placement.decode_stage |= tables.is_some() && plan.switches.decode_stage;
+        let tables = zc_layer.then(|| src.map(|_| Some(a.table(n_expert, &format!("blk.{il}.exps.table")))).expect("infallible"));
         let staging_mats = (plan.pcie_frac > 0.0 && !cold_list.is_empty() && !plan.count_only)
             .then(|| src.map(|t| Some(a.like(t, 2 * n_used, &format!("blk.{il}.exps.staging")))).expect("infallible"));
         if hot_map.is_some() || cold_map.is_some() || staging_mats.is_some() || (windowed.is_none() && hot_mats.is_some()) {
@@ -1335,13 +1129,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
             Ok(mats)
         });
         let copy_mats = copy_mats.transpose()?;
-        let zero_copy = match (copy_mats.as_ref(), log, skip_map) {
-            (Some(m), Some(log), Some(map)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (map, hot_skip_map), *il, &mut owned) {
-                Ok(mut z) => {
-                    let stage = plan.switches.decode_stage.then_some(z.mapped);
-                    z.by_table = tables.map(|t| zero_copy::ByTable::new(&src, t, n_expert, *il, &mut owned, stage, Some(z.log)));
-                    Some(z)
-                }
+        let zero_copy = match (copy_mats.as_ref(), log, tables) {
+            (Some(m), Some(log), Some(tables)) => match zero_copy::ZeroCopy::new(dev, gpu, m, log, (&src, tables, n_expert), *il, &mut owned) {
+                Ok(z) => Some(z),
                 Err(e) => {
                     placement.zero_copy_off.get_or_insert(e);
                     None
@@ -1353,9 +1143,6 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         let mut hot_slots = vec![-1i32; n_expert];
         for (slot, &e) in hot_list.iter().enumerate() {
             hot_slots[e] = slot as i32;
-        }
-        if let Some(m) = zero_copy.as_ref().and_then(|z| z.hot_skip_map) {
-            set_map(m, &hot_slots);
         }
         let hot = match (hot_mats, hot_map) {
             (Some(mats), Some(map)) => {
@@ -1380,9 +1167,6 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 copy_experts(&src, &mats, &cold_list);
                 mats.iter().for_each(|d| zero_expert(d, n_cold));
                 set_map(map, &copy_map_of(&cold_rows, n_cold));
-                if let Some(z) = zero_copy.as_ref() {
-                    set_map(z.skip_map, &cold_rows);
-                }
                 (mats, Tier::Ram)
             }
             (_, map) => {
@@ -1418,7 +1202,6 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         placement.bytes[cold_tier as usize] += (cold_list.len() * info.expert_bytes) as u64;
         let key = src.down.map_or(0, |t| t as usize);
         placement.zero_copy_layers += usize::from(zero_copy.is_some());
-        placement.workers_layers += usize::from(layer_workers);
         if zero_copy.is_some() {
             ZERO_COPY.store(true, Ordering::Relaxed);
         }
@@ -1459,27 +1242,23 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 n_cold: cold_list.len(),
                 cold_threads: plan.cold_threads,
                 count_only: plan.count_only,
-                flat_from: flat_from(gpu, quantized, plan.switches.flat_ids),
+                flat_from: flat_from(gpu, quantized, plan.lab.flat_ids),
                 n_used,
                 cold_share_prior,
                 staging,
                 pcie_frac: plan.pcie_frac,
-                host_op,
-                workers_in_step: layer_workers || (in_step && zero_copy.is_none()),
                 tally,
                 window,
                 ring: ring_entry,
                 ring_other,
-                decode_window: decode_window.filter(|_| lend_layer),
-                lent: (0..n_expert).map(|_| std::sync::atomic::AtomicBool::new(false)).collect(),
                 max_passes,
                 passes: std::sync::atomic::AtomicUsize::new(1),
                 zero_copy,
                 _owned: owned,
             }),
         ));
-        if let Some((_, lt)) = entries.last().filter(|(_, lt)| lt.zero_copy.as_ref().is_some_and(|z| z.by_table.is_some())) {
-            lt.write_decode_maps(&[]);
+        if let Some((_, lt)) = entries.last() {
+            lt.write_decode_maps();
         }
     }
     if let Some(a) = plan.adapt.as_ref().filter(|a| a.every > 0 && !plan.count_only) {

@@ -8,10 +8,6 @@
 //! the GPU split between the two without waiting for it, so the CPU and the GPU overlap. One job
 //! runs at a time: the graph orders every layer's join before the next layer's launch.
 //!
-//! Where the GPU backend runs host ops (patches/0002), `step` does launch and join in one op
-//! inside the GPU's stream instead: no overlap, but no scheduler split and sync per layer, which
-//! cost more than the few cold experts of a decode step.
-//!
 //! A job has two phases (gate/up, then down), each cut into chunks that whoever runs claims: a
 //! worker without a core (the machine oversubscribed) delays nobody, as the caller and the other
 //! workers take its chunks.
@@ -217,8 +213,8 @@ fn worker(s: &Shared) {
 }
 
 /// The launch op. Sources: cur [n_embd, 1, n_tok] f32, sel [n_used, n_tok] i32, the routing
-/// weights [1, n_used, n_tok] (read only for the weighted form; a decode step inside the device
-/// step leaves them and the rest out), the upload op's ids when the step uploads (`--pcie-frac`),
+/// weights [1, n_used, n_tok] (read only for the weighted form; decode gives sel in their
+/// place), the upload op's ids when the step uploads (`--pcie-frac`),
 /// then the cold weight tensors (they place the op on the CPU).
 /// Writes one f32 (the join's dependency).
 ///
@@ -234,12 +230,8 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
     // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
     let lt = unsafe { &*(userdata as *const LayerTiers) };
     let Some(pool) = POOL.get() else { return };
-    // SAFETY: the graph builder gave this op these sources; a decode step's launch may leave the
-    // weights out (its output form does not read them), so sel stands in.
-    unsafe {
-        let sel = src(dst, 1);
-        start(pool, lt, src(dst, 0), sel, (*dst).src[2].as_ref().unwrap_or(sel), src_opt(dst, 3));
-    }
+    // SAFETY: the graph builder gave this op these sources.
+    unsafe { start(pool, lt, src(dst, 0), src(dst, 1), src(dst, 2), src_opt(dst, 3)) };
     // SAFETY: dst is one f32.
     unsafe { *((*dst).data as *mut f32) = 0.0 };
 }
@@ -322,42 +314,4 @@ pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth:
     let Some(pool) = POOL.get() else { return };
     // SAFETY: dst has the shape the launch gave the job's output.
     finish(pool, unsafe { (*dst).data as *mut f32 });
-}
-
-/// A step's cold selections in one call, as op B would write them: on the workers when there is
-/// a pool, else on the calling thread. Sources: cur, sel, the routing weights (as `launch`).
-/// The GPU backend runs it as a host op in stream order (patches/0002), so that the layer stays
-/// one device split; elsewhere it is an ordinary one-task CPU op.
-///
-/// # Safety
-/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
-/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
-/// unwind through ggml's C frames).
-pub(crate) unsafe extern "C" fn step(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
-    if ith != 0 {
-        return;
-    }
-    // SAFETY: as in launch.
-    let lt = unsafe { &*(userdata as *const LayerTiers) };
-    // SAFETY: the graph builder gave this op these sources; dst is contiguous f32 of op B's shape.
-    let (cur, sel, wt, out) = unsafe { (src(dst, 0), src(dst, 1), src(dst, 2), (*dst).data as *mut f32) };
-    if let Some(pool) = POOL.get().filter(|_| lt.cold_threads > 0) {
-        start(pool, lt, cur, sel, wt, None);
-        finish(pool, out);
-        return;
-    }
-    let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
-    // SAFETY: sel is the contiguous i32 [n_used, n_tok] the builder made.
-    let ids = unsafe { ids(sel) };
-    tally(lt, ids);
-    let x = |t: usize| token_row(cur, t, lt.n_embd);
-    let mut h = vec![0.0f32; lt.n_ff * n_used * n_tok];
-    let items = cold_items(lt, ids, n_used, &[]);
-    gate_up_rows(lt, x, &items, n_used, h.as_mut_ptr(), 0, items.len() * lt.n_ff);
-    let w = weighted_output(n_tok).then(|| {
-        let mut w = Vec::new();
-        weights(wt, &mut w);
-        w
-    });
-    down_rows(lt, h.as_ptr(), ids, &[], w.as_deref(), n_used, out, 0, lt.n_embd);
 }

@@ -2,7 +2,7 @@
 //! device slots shared by all tiered layers, and the layer runs one mul_mat_id over its hot
 //! slots and the ring together (docs/prefill-ring.md).
 //!
-//! Each tiered layer's hot experts live in a *window* (patches/0003): its own device memory
+//! Each tiered layer's hot experts live in a *window* (patches/0002): its own device memory
 //! followed by one half of the ring, mapped into one virtual range, so `[hot | pads | half]` is
 //! one tensor and the unchanged GPU kernels see an ordinary expert tensor. The two halves are
 //! separate allocations; tiered layers take them in turn, so while one layer computes from its
@@ -120,7 +120,7 @@ impl Slots {
         copies
     }
 
-    /// Forgets what half `h` holds (its copies failed, or its memory was lent out).
+    /// Forgets what half `h` holds (its copies failed).
     pub fn invalidate(&mut self, h: usize) {
         self.owner[h] = None;
         self.content[h].iter_mut().for_each(|e| *e = -1);
@@ -150,7 +150,7 @@ const PREFETCH_SHARE: f64 = 0.8;
 /// Least chance of use for which an expert is prefetched when the copy budget allows (default).
 pub const PREFETCH_MIN_P: f64 = 0.02;
 
-/// Functions of patches/0003, from the CUDA (or HIP) backend's proc addresses.
+/// Functions of patches/0002, from the CUDA (or HIP) backend's proc addresses.
 type RingNew = unsafe extern "C" fn(i32, usize) -> *mut c_void;
 type RingFree = unsafe extern "C" fn(*mut c_void);
 type RingSize = unsafe extern "C" fn(*mut c_void) -> usize;
@@ -171,7 +171,7 @@ struct Fns {
 impl Fns {
     fn load(dev: sys::ggml_backend_dev_t) -> Option<Self> {
         let get = |name: &std::ffi::CStr| crate::backend::proc_address(dev, name);
-        // SAFETY: each proc address, when present, has the signature patches/0003 gives it and
+        // SAFETY: each proc address, when present, has the signature patches/0002 gives it and
         // lives as long as the process.
         unsafe {
             Some(Self {
@@ -255,11 +255,6 @@ impl Done {
         self.cv.notify_all();
     }
 
-    /// Whether the copies ended (and succeeded), without waiting.
-    fn poll(&self) -> Option<bool> {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Waits; returns (copies succeeded, whether the caller had to wait).
     fn wait(&self) -> (bool, bool) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -292,8 +287,6 @@ pub struct RingStats {
     pub batches: AtomicU64,
     /// Passes after a layer's first that computed cold experts (a layer in waves).
     pub waves: AtomicU64,
-    /// Bytes copied into slots lent to decode.
-    pub lent_bytes: AtomicU64,
 }
 
 /// A tiered layer as the ring sees it.
@@ -343,48 +336,13 @@ pub(crate) struct Ring {
 struct State {
     slots: Slots,
     pending: [Option<Arc<Done>>; 2],
-    /// Per half: the slots lent to decode between prompt batches.
-    lend: [Lend; 2],
-    /// Per half: the prompt batch count when its lending was last planned.
-    lend_planned: [Option<u64>; 2],
     batch_bytes: u64,
     /// The ring layer of the previous fill (a lower or equal index starts a new batch), and when.
     last: Option<usize>,
     last_at: Option<Instant>,
 }
 
-/// Slots of a half lent to decode: (ring layer, expert, slot in the half) each.
-#[derive(Debug, Default)]
-enum Lend {
-    #[default]
-    None,
-    /// Copies in flight (the half's pending job); decode does not read the slots yet.
-    Copying(Vec<(usize, i32, usize)>),
-    /// Decode's maps send these experts to their slots.
-    Live(Vec<(usize, i32, usize)>),
-    /// A prompt batch took the half back: decode's maps must forget these before the next step.
-    Stale(Vec<(usize, i32, usize)>),
-}
-
-/// Picks what a half lends to decode: the cold experts of its layers most selected so far,
-/// (ring layer, expert, count) each, at most `half` of them, slots in rank order. Experts never
-/// selected are not worth a copy.
-pub fn plan_lend(half: usize, mut candidates: Vec<(usize, i32, u64)>) -> Vec<(usize, i32, usize)> {
-    candidates.retain(|c| c.2 > 0);
-    candidates.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
-    candidates.into_iter().take(half).enumerate().map(|(s, (i, e, _))| (i, e, s)).collect()
-}
-
 impl State {
-    /// A prompt batch is about to write half `h`: what it lent to decode is taken back (decode's
-    /// maps are restored before the next decode step).
-    fn reclaim(&mut self, h: usize) {
-        self.lend[h] = match std::mem::take(&mut self.lend[h]) {
-            Lend::Live(l) | Lend::Stale(l) => Lend::Stale(l),
-            Lend::Copying(_) | Lend::None => Lend::None,
-        };
-    }
-
     /// Waits for the copies in flight into half `h`, forgetting what the half holds if they
     /// failed. Returns whether they were still running (a stall).
     fn drain(&mut self, h: usize) -> bool {
@@ -392,9 +350,6 @@ impl State {
         let (ok, stalled) = p.wait();
         if !ok {
             self.slots.invalidate(h);
-            if matches!(self.lend[h], Lend::Copying(_)) {
-                self.lend[h] = Lend::None;
-            }
         }
         stalled
     }
@@ -421,7 +376,7 @@ impl Drop for Ring {
 
 /// What a layer's window is made of.
 pub(crate) enum WindowMem {
-    /// A device buffer from patches/0003 (head + the shared ring).
+    /// A device buffer from patches/0002 (head + the shared ring).
     Device(sys::ggml_backend_buffer_t),
     /// Emulation: a host buffer of head + the layer's own ring.
     Host(sys::ggml_backend_buffer_t),
@@ -430,7 +385,7 @@ pub(crate) enum WindowMem {
 impl Ring {
     /// A ring of two halves of `half` slots on device `dev` for matrices of at most `max_nb2`
     /// bytes per expert (two allocations per matrix kind, in Mats order), or None where the
-    /// backend lacks windows (no patches/0003, no virtual memory management) or the memory is short.
+    /// backend lacks windows (no patches/0002, no virtual memory management) or the memory is short.
     pub(crate) fn new_device(dev: sys::ggml_backend_dev_t, half: usize, max_nb2: &[usize], pinned_src: bool, trace: Option<&Path>) -> Option<Arc<Self>> {
         let fns = Fns::load(dev)?;
         let idx = device_index(dev);
@@ -457,7 +412,7 @@ impl Ring {
         Some(Self::with(Copier::Device { fns, dev: idx }, half, handles, Some(fns), pinned_src, bytes, trace))
     }
 
-    /// The CPU emulation (`STRATA_RING_EMULATE=1`).
+    /// The CPU emulation (`STRATA_LAB=emulate-ring`).
     pub(crate) fn new_emulated(half: usize, pinned_src: bool, trace: Option<&Path>) -> Arc<Self> {
         Self::with(Copier::Host, half, Vec::new(), None, pinned_src, 0, trace)
     }
@@ -469,15 +424,7 @@ impl Ring {
             half,
             handles,
             fns,
-            state: Mutex::new(State {
-                slots: Slots::new(half),
-                pending: [None, None],
-                lend: [Lend::None, Lend::None],
-                lend_planned: [None, None],
-                batch_bytes: 0,
-                last: None,
-                last_at: None,
-            }),
+            state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None, last_at: None }),
             tx: Mutex::new(None),
             stats: RingStats::default(),
             cost: Mutex::new(None),
@@ -635,7 +582,6 @@ impl Ring {
     /// copying what is missing and waiting for it. Returns what was placed, the bytes copied and
     /// when the wait for the copies in flight ended; None if a copy failed.
     fn place_now(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) -> Option<(Placed, u64, Instant)> {
-        st.reclaim(h);
         if st.drain(h) {
             self.stats.stalls.fetch_add(1, Ordering::Relaxed);
         }
@@ -654,7 +600,6 @@ impl Ring {
     /// Starts copying `chunk` of ring layer `i` into half `h` (free: the pass that last used it
     /// has finished), to be waited for by the pass that computes it.
     fn place_ahead(&self, st: &mut State, rl: &RingLayer, i: usize, h: usize, chunk: &[i32], other: bool) {
-        st.reclaim(h);
         st.drain(h);
         // Hits are counted when the pass runs.
         if let Some(placed) = st.slots.place(h, i, chunk) {
@@ -778,7 +723,6 @@ impl Ring {
                     _ => None,
                 };
                 let likely = layers[j].likely_cold(draws, budget, self.prefetch_min_p());
-                st.reclaim(j % 2);
                 st.drain(j % 2);
                 let copies = st.slots.prefetch(j % 2, j, &likely);
                 self.copy_ahead(&mut st, &layers[j], &copies, j % 2, false);
@@ -826,99 +770,6 @@ impl Ring {
         ok
     }
 
-    /// Between prompt batches the halves hold decode's next-best experts (`STRATA_RING_LEND=1`):
-    /// called before each decode batch. A half a prompt batch took back is forgotten; one whose
-    /// lending copies have landed goes live; an idle half after a new prompt batch is planned
-    /// (the cold experts of the layers that map it, most selected first, [`plan_lend`]) and its
-    /// copies started, never waited for here. `lendable(i)`: ring layer i's decode can read the
-    /// ring. Returns, per ring layer whose decode maps must change, the experts now read from
-    /// the ring and their window slots (empty: none).
-    pub(crate) fn lend_step(&self, lendable: &dyn Fn(usize) -> bool) -> Vec<(usize, Vec<(i32, usize)>)> {
-        let layers = self.layers.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let batches = self.stats.batches.load(Ordering::Relaxed);
-        let mut writes: Vec<(usize, Vec<(i32, usize)>)> = Vec::new();
-        let mut touch = |i: usize, item: Option<(i32, usize)>| {
-            let at = match writes.iter().position(|w| w.0 == i) {
-                Some(at) => at,
-                None => {
-                    writes.push((i, Vec::new()));
-                    writes.len() - 1
-                }
-            };
-            writes[at].1.extend(item);
-        };
-        for h in 0..2 {
-            st.lend[h] = match std::mem::take(&mut st.lend[h]) {
-                Lend::Stale(l) => {
-                    l.iter().for_each(|&(i, _, _)| touch(i, None));
-                    Lend::None
-                }
-                // No job pending: a drain (adaptation settling the ring) waited for it.
-                Lend::Copying(l) => match st.pending[h].as_ref().map_or(Some(true), |p| p.poll()) {
-                    None => Lend::Copying(l),
-                    Some(ok) => {
-                        st.pending[h] = None;
-                        if ok {
-                            for &(i, e, s) in &l {
-                                touch(i, layers.get(i).map(|rl| (e, rl.first_slot + s)));
-                            }
-                            Lend::Live(l)
-                        } else {
-                            st.slots.invalidate(h);
-                            Lend::None
-                        }
-                    }
-                },
-                other => other,
-            };
-            if !matches!(st.lend[h], Lend::None) || st.lend_planned[h] == Some(batches) {
-                continue;
-            }
-            st.lend_planned[h] = Some(batches);
-            let mut candidates = Vec::new();
-            for (i, rl) in layers.iter().enumerate().filter(|&(i, _)| i % 2 == h && lendable(i)) {
-                for (e, c) in rl.tally.per_expert.iter().enumerate() {
-                    if rl.cold_row(e as i32).is_some() {
-                        candidates.push((i, e as i32, c.load(Ordering::Relaxed)));
-                    }
-                }
-            }
-            let plan = plan_lend(self.half, candidates);
-            if plan.is_empty() {
-                continue;
-            }
-            st.drain(h);
-            st.slots.invalidate(h);
-            let mut pieces = Vec::new();
-            for &(i, e, s) in &plan {
-                pieces.extend(self.pieces(&layers[i], &[(e, s)], false));
-            }
-            let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-            self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
-            self.stats.lent_bytes.fetch_add(bytes, Ordering::Relaxed);
-            st.pending[h] = Some(self.submit(pieces, h));
-            st.lend[h] = Lend::Copying(plan);
-        }
-        writes
-    }
-
-    /// Ring layer `i`'s experts that decode reads from the ring now, with their window slots.
-    pub(crate) fn lent_to(&self, i: usize) -> Vec<(i32, usize)> {
-        let first = self.first_slot(i).unwrap_or(0);
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        match &st.lend[i % 2] {
-            Lend::Live(l) => l.iter().filter(|c| c.0 == i).map(|&(_, e, s)| (e, first + s)).collect(),
-            _ => Vec::new(),
-        }
-    }
-
-    /// Experts lent to decode and live now, over both halves.
-    pub(crate) fn lent_now(&self) -> usize {
-        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.lend.iter().map(|l| if let Lend::Live(l) = l { l.len() } else { 0 }).sum()
-    }
-
     /// Measures the copy rate into the ring with up to `n` experts of the first layer (logged
     /// by the caller), and forgets what the measurement put there.
     pub(crate) fn measure_copy(&self, n: usize) -> Option<f64> {
@@ -937,7 +788,6 @@ impl Ring {
         let (ok, _) = self.submit(pieces, 0).wait();
         let s = t0.elapsed().as_secs_f64();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.reclaim(0);
         st.slots.invalidate(0);
         (ok && s > 0.0).then_some(bytes as f64 / s)
     }
@@ -1148,8 +998,8 @@ unsafe fn fill_pass_at(dst: *mut sys::ggml_tensor, k: usize, userdata: *mut c_vo
         std::process::abort();
     };
     // The pass's mul_mat_ids run next (a later split of this graph, on this thread): tell the
-    // backend how little of the tensors this pass uses, and whether some ids are -1 (patches/0004,
-    // patches/0006).
+    // backend how little of the tensors this pass uses, and whether some ids are -1 (patches/0003,
+    // patches/0005).
     if let Some(w) = lt.pass_mats(k) {
         for t in w.iter() {
             // SAFETY: the tensors are the layer's own, alive while it is; nothing else writes
@@ -1198,40 +1048,6 @@ pub(crate) fn measure_cpu(lt: &LayerTiers, n: usize) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_half_lends_its_most_selected_cold_experts_in_rank_order() {
-        let c = vec![(0, 5, 3), (2, 1, 9), (0, 7, 0), (2, 4, 3), (4, 2, 1)];
-        assert_eq!(plan_lend(3, c.clone()), vec![(2, 1, 0), (0, 5, 1), (2, 4, 2)], "ties by layer, then expert");
-        assert_eq!(plan_lend(8, c).len(), 4, "never-selected experts are not lent");
-        assert!(plan_lend(0, vec![(0, 1, 5)]).is_empty());
-    }
-
-    #[test]
-    fn a_prompt_batch_takes_lent_slots_back_and_decode_forgets_them_once() {
-        let mut st = State {
-            slots: Slots::new(2),
-            pending: [None, None],
-            lend: [Lend::Live(vec![(0, 3, 0)]), Lend::Copying(vec![(1, 4, 0)])],
-            lend_planned: [Some(1), Some(1)],
-            batch_bytes: 0,
-            last: None,
-            last_at: None,
-        };
-        st.reclaim(0);
-        st.reclaim(1);
-        assert!(matches!(&st.lend[0], Lend::Stale(l) if l == &[(0, 3, 0)]), "live slots: decode's maps must be restored");
-        assert!(matches!(st.lend[1], Lend::None), "copies never read by decode: nothing to restore");
-        st.reclaim(0);
-        assert!(matches!(st.lend[0], Lend::Stale(_)), "still to restore after a second prompt batch");
-        // A lending copy that failed leaves nothing to go live.
-        let done = Arc::new(Done::default());
-        done.set(false);
-        st.pending[1] = Some(done);
-        st.lend[1] = Lend::Copying(vec![(1, 4, 0)]);
-        st.drain(1);
-        assert!(matches!(st.lend[1], Lend::None));
-    }
 
     #[test]
     fn every_job_reuses_the_staging_half_it_copies_through() {

@@ -1,13 +1,13 @@
 //! Cold experts in decode read by the GPU straight from the page-locked RAM copy (zero-copy).
 //!
-//! A decode step of a tiered layer then runs two mul_mat_id over the same routing inside one
-//! device graph: the hot tier's (VRAM) and the RAM copy's, seen by the device through a mapped
-//! buffer (patches/0006). The copy's id map sends hot experts to -1, which the kernels skip
-//! (zero output, weights unread), so the bus carries only the cold experts the step selected and
-//! no CPU hand-off splits the graph. The routing of each step lands in a small mapped log that the
-//! host reads after the step to count selections: through tables the down projection's vector
-//! kernels write it (patches/0011); the two chains copy it, as f32 so that the copy is a
-//! conversion kernel in the device graph (ggml-cuda copies i32 to i32 as a memcpy node).
+//! A decode step of a tiered layer runs one mul_mat_id per matrix, as on an all-GPU model, whose
+//! weight tensor addresses each expert through a table of pointers (patches/0007): a hot
+//! expert's entry points into VRAM, a cold one's into the RAM copy, which the device sees
+//! through a mapped buffer (patches/0005). The bus carries only the cold experts the step
+//! selected and no CPU hand-off splits the graph. The down projection's vector kernels write the
+//! step's routing into a small mapped log (patches/0008) that the host reads after the step to
+//! count selections. (One chain per tier, skipping the other tier's experts, measured 0.72 of
+//! all-GPU decode against the tables' 0.85 on an H100.)
 
 use std::ffi::c_void;
 
@@ -22,77 +22,44 @@ pub(super) const MAX_TOKENS: i64 = 5;
 type MappedNew = unsafe extern "C" fn(i32, *mut c_void, usize) -> sys::ggml_backend_buffer_t;
 type VecMaxBatch = unsafe extern "C" fn(i32, i32) -> i32;
 
-/// How decode reaches the cold experts of a tiered layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ColdDecode {
-    /// CPU workers (or the CPU backend's threads) compute them; the graph splits around them.
-    Cpu,
-    /// The GPU reads them from the page-locked RAM copy; the step stays one device graph.
-    Mapped,
-    /// CPU workers compute them while the GPU computes the hot ones, handed over by host ops
-    /// that a mailbox in mapped memory answers (patches/0009); the step stays one device graph.
-    Workers,
-    /// Per layer: the workers where a token is expected to select at least
-    /// `Switches::workers_min_cold` cold experts, zero-copy reads elsewhere.
-    Mixed,
-}
-
-/// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the map
-/// expert -> copy row (-1 for hot experts), and the routing log.
+/// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the tables,
+/// and the routing log.
 pub(super) struct ZeroCopy {
     pub mats: Mats<T>,
-    /// expert -> RAM copy row, or -1 for a hot expert.
-    pub skip_map: T,
-    /// expert -> hot slot, or -1 for a cold expert (so decode reads no pad expert either).
-    pub hot_skip_map: Option<T>,
-    /// [n_used, MAX_TOKENS] f32 (expert ids, -1 where none) as the graph writes it.
-    pub log: T,
-    /// Every expert read through tables of pointers, when on (STRATA_DECODE_TABLE=1).
-    pub by_table: Option<ByTable>,
+    /// Every expert read through tables of pointers.
+    pub table: ByTable,
     /// The largest batch that takes the zero-copy form on this device (at most MAX_TOKENS).
     pub max_tokens: i64,
-    /// The RAM copy's addresses as the device reads them: [low, high).
-    pub mapped: (u64, u64),
     /// The same log where the host reads it.
     log_host: *mut f32,
     log_len: usize,
 }
 
 impl ZeroCopy {
-    /// Wraps the RAM copy's buffer (the last of `owned`, holding `copy` and `log`) for `dev`.
-    /// On a machine without a GPU the copy itself serves (the CPU's mul_mat_id skips too).
+    /// Wraps the RAM copy's buffer (the last of `owned`, holding `copy` and `log`) for `dev`,
+    /// with `tables` (one allocated [2, n_expert] i32 tensor per matrix of `src`, the layer's
+    /// experts as llama.cpp loaded them). On a machine without a GPU the copy itself serves (the
+    /// CPU's mul_mat_id reads the tables too).
     pub(super) fn new(
         dev: sys::ggml_backend_dev_t,
         gpu: bool,
         copy: &Mats<T>,
         log: T,
-        maps: (T, Option<T>),
+        (src, tables, n_expert): (&Mats<T>, Mats<T>, usize),
         il: i32,
         owned: &mut Owned,
     ) -> Result<Self, String> {
         // SAFETY: log is a live f32 tensor in a host buffer.
         let (log_host, log_len) = unsafe { ((*log).data.cast::<f32>(), sys::ggml_nelements(log) as usize) };
-        let zc = |mats, log, max_tokens, mapped| ZeroCopy {
-            mats,
-            skip_map: maps.0,
-            hot_skip_map: maps.1,
-            log,
-            log_host,
-            log_len,
-            by_table: None,
-            max_tokens,
-            mapped,
+        let zc = |owned: &mut Owned, mats, log, max_tokens| {
+            let table = ByTable::new(src, tables, n_expert, il, owned, log);
+            ZeroCopy { mats, table, log_host, log_len, max_tokens }
         };
         if !gpu {
             reset(log_host, log_len);
-            // SAFETY: the last of owned's buffers holds the copy.
-            let mapped = owned.bufs.last().map_or((0, 0), |&b| unsafe {
-                let base = sys::ggml_backend_buffer_get_base(b) as u64;
-                (base, base + sys::ggml_backend_buffer_get_size(b) as u64)
-            });
-            return Ok(zc(*copy, log, MAX_TOKENS, mapped));
+            return Ok(zc(owned, *copy, log, MAX_TOKENS));
         }
-        // SAFETY: the proc address has the VecMaxBatch signature (patches/0008); copy's tensors are live.
+        // SAFETY: the proc address has the VecMaxBatch signature (patches/0007); copy's tensors are live.
         let max_tokens = unsafe {
             let ty = copy.iter().next().map_or(0, |t| (*t).type_ as i32);
             match proc_address(dev, c"ggml_backend_cuda_mmid_vec_max_batch") {
@@ -104,13 +71,13 @@ impl ZeroCopy {
             return Err("the GPU's vector kernels do not take this expert type".into());
         }
         let host_buf = *owned.bufs.last().ok_or("no RAM copy")?;
-        let p = proc_address(dev, c"ggml_backend_cuda_mapped_buffer_new").ok_or("the GPU backend has no mapped host buffers (patches/0006 missing)")?;
-        // SAFETY: the proc address has the MappedNew signature (patches/0006).
+        let p = proc_address(dev, c"ggml_backend_cuda_mapped_buffer_new").ok_or("the GPU backend has no mapped host buffers (patches/0005 missing)")?;
+        // SAFETY: the proc address has the MappedNew signature (patches/0005).
         let mapped_new = unsafe { std::mem::transmute::<*mut c_void, MappedNew>(p) };
         // SAFETY: host_buf is the page-locked buffer of the device's host buffer type that holds
         // the copy; the mapped buffer borrows its memory (freeing it releases nothing) and both
         // are freed together with the layer.
-        let (mbuf, host_base, mbase, msize) = unsafe {
+        let (mbuf, host_base, mbase) = unsafe {
             let base = sys::ggml_backend_buffer_get_base(host_buf);
             let size = sys::ggml_backend_buffer_get_size(host_buf);
             let mbuf = mapped_new(super::ring::device_index(dev), base, size);
@@ -119,7 +86,7 @@ impl ZeroCopy {
                 return Err(format!("{name} cannot address the page-locked RAM copy"));
             }
             sys::ggml_backend_buffer_set_usage(mbuf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-            (mbuf, base as usize, sys::ggml_backend_buffer_get_base(mbuf) as usize, size)
+            (mbuf, base as usize, sys::ggml_backend_buffer_get_base(mbuf) as usize)
         };
         owned.bufs.push(mbuf);
         let a = Alloc::new(5);
@@ -144,7 +111,7 @@ impl ZeroCopy {
         match (mats, log_dev) {
             (Some(m), Some(l)) if !failed => {
                 reset(log_host, log_len);
-                Ok(zc(m, l, max_tokens, (mbase as u64, (mbase + msize) as u64)))
+                Ok(zc(owned, m, l, max_tokens))
             }
             _ => Err("placing tensors in the mapped buffer failed".into()),
         }
@@ -206,24 +173,21 @@ pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
 /// More than the row padding of any matrix (512 columns of the widest type).
 const SPARE_BYTES: i64 = 64 << 10;
 
-/// Decode's experts addressed through tables of pointers (patches/0008): per matrix, a tensor
+/// Decode's experts addressed through tables of pointers (patches/0007): per matrix, a tensor
 /// over every expert id whose op_params name its table, and the table (one address per id) in
 /// the hot tier's buffer. A step is then one mul_mat_id per matrix, as on an all-GPU model, that
 /// reads hot experts from VRAM and cold ones from the page-locked copy.
 pub(super) struct ByTable {
+    /// The down projection's tensor also names the routing log (patches/0008): its kernels write
+    /// the step's ids there, so zero-copy decode adds no node of its own for them.
     pub mats: Mats<T>,
-    /// `mats` whose down projection also names the routing log (patches/0011): its vector
-    /// kernels write the step's ids there, so zero-copy decode adds no node of its own for them.
-    pub logged: Mats<T>,
     tables: Mats<T>,
 }
 
 impl ByTable {
-    /// `tables`: one allocated [2, n_expert] i32 tensor per matrix of `src`, in the same order.
-    /// With `stage`, the device range of the RAM copy: the GPU then copies a step's selected cold
-    /// experts into its own memory before computing them (patches/0010).
-    /// With `log` (the layer's routing log as the device writes it), `logged` names it.
-    pub(super) fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned, stage: Option<(u64, u64)>, log: Option<T>) -> Self {
+    /// `tables`: one allocated [2, n_expert] i32 tensor per matrix of `src`, in the same order;
+    /// `log`: the layer's routing log as the device writes it, which the down projection names.
+    fn new(src: &Mats<T>, tables: Mats<T>, n_expert: usize, il: i32, owned: &mut Owned, log: T) -> Self {
         let a = Alloc::new(5);
         owned.ctxs.push(a.ctx);
         let by_table = |t: T, table: T| {
@@ -235,30 +199,21 @@ impl ByTable {
                 (*v).buffer = (*table).buffer;
                 (*v).data = (*table).data;
                 set_address(v, 4, (*table).data as u64);
-                if let Some((lo, hi)) = stage {
-                    set_address(v, 6, lo);
-                    set_address(v, 8, hi);
-                }
             }
             v
         };
         let mut table = tables.iter();
         let mats = src.map(|t| Some(by_table(t, table.next()?))).expect("a table per matrix");
-        let mut logged = mats;
-        if let (Some(log), Some(down), Some(table)) = (log, src.down, tables.down) {
-            let v = by_table(down, table);
-            // SAFETY: v is fresh metadata; log a live tensor in the mapped buffer.
-            unsafe { set_address(v, 10, (*log).data as u64) };
-            logged.down = Some(v);
+        if let Some(down) = mats.down {
+            // SAFETY: down is fresh metadata; log a live tensor in the mapped buffer.
+            unsafe { set_address(down, 10, (*log).data as u64) };
         }
-        Self { mats, logged, tables }
+        Self { mats, tables }
     }
 
     /// Points expert e at slot `hot[e]` of `hot_mats` when that is >= 0, else at row `cold[e]`
-    /// of `copy`, else at the copy's zero pad row (as the two chains' skips would compute zero).
-    /// With `hot_pad`, a cold expert points at that zero slot of `hot_mats` (at the copy's zero
-    /// pad row when the layer has no hot experts) instead: the CPU workers compute it.
-    pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32], hot_pad: Option<usize>) {
+    /// of `copy`, else at the copy's zero pad row.
+    pub(super) fn write(&self, hot_mats: Option<&Mats<T>>, copy: &Mats<T>, hot: &[i32], cold: &[i32]) {
         let hots: Vec<Option<T>> = match hot_mats {
             Some(h) => h.iter().map(Some).collect(),
             None => copy.iter().map(|_| None).collect(),
@@ -267,10 +222,9 @@ impl ByTable {
             // SAFETY: live tensors; h and c hold experts of the same shape and type.
             let (cold_base, nb2, pad, hot_base) = unsafe { ((*c).data as u64, (*c).nb[2] as u64, (*c).ne[2] as u64 - 1, h.map(|h| (*h).data as u64)) };
             let entries: Vec<u64> = (0..hot.len())
-                .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e]), hot_pad) {
-                    (Some(b), Ok(s), _, _) => b + s * nb2,
-                    (Some(b), _, Ok(_), Some(p)) => b + p as u64 * nb2,
-                    (_, _, Ok(r), None) => cold_base + r * nb2,
+                .map(|e| match (hot_base, u64::try_from(hot[e]), u64::try_from(cold[e])) {
+                    (Some(b), Ok(s), _) => b + s * nb2,
+                    (_, _, Ok(r)) => cold_base + r * nb2,
                     _ => cold_base + pad * nb2,
                 })
                 .collect();

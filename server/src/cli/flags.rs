@@ -267,36 +267,6 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Experts,
     },
     EnvVar {
-        name: "STRATA_RING_WAVES",
-        help: "most passes through the prefill ring per layer and prompt batch, 1-8 (used cold experts beyond a half take further passes through the other half, copied while the previous pass computes; default 4)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_RING_COPY_PACE_KIB",
-        help: "the prefill ring's copier issues at most N KiB of host-to-device copies before it waits for them, so that a batch's own small copies do not queue behind a whole prefetch (default 16384 on a GPU, 0 in the CPU emulation; 0: each job's copies at once)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_RING_PREFETCH_MIN_P",
-        help: "the least chance of use in the next prompt batch, 0-1, for which the prefill ring prefetches a layer's cold expert while the layer before computes (default 0.02; the copy engine's time for that layer caps the count either way)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_RING_LEND",
-        help: "1 = between prompt batches the prefill ring's slots hold the most selected cold experts for zero-copy decode to read from VRAM; the next prompt batch takes them back (default 0)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_DECODE_TABLE",
-        help: "1 = zero-copy decode runs one mul_mat_id per matrix that reads each expert through a table of pointers (hot slots in VRAM, cold rows of the page-locked RAM copy), 0 = one chain per tier (default: 1 where the hot tier is on a CUDA device, else 0)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_RING_TRACE",
-        help: "write the prefill ring's per-layer timeline to FILE (one JSON line per layer and prompt batch)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
         name: "STRATA_SAMPLER_ARGMAX",
         help: "0 = every token goes through llama.cpp's sampler chain; 1 (default) = where a request's sampling settings make the chain pick the highest logit (top-k 1 or temperature <= 0, with penalties, DRY, XTC, typical-p, top-n-sigma, grammars, the reasoning budget and mirostat off), a scan of the logits picks it, and the chain runs when that token is tied or biased",
         effect: Effect::Active,
@@ -312,33 +282,12 @@ pub const ENV_VARS: &[EnvVar] = &[
         effect: Effect::Active,
     },
     EnvVar {
-        name: "STRATA_RING_EMULATE",
-        help: "1 = build the prefill ring on the CPU (host windows, memcpy copies; for tests without a GPU)",
+        name: "STRATA_LAB",
+        help: "comma-separated settings of the expert tiers for tests and experiments (docs/lab.md): emulate-ring, zero-copy, flat-ids, ring-trace=FILE, ring-waves=N, ring-pace-kib=N, ring-prefetch-min-p=P; an unknown item stops the start",
         effect: Effect::Experts,
     },
-    EnvVar {
-        name: "STRATA_MOE_HOST_OP",
-        help: "1 = run decode's cold experts as one host op in the GPU stream (needs patches/0002's hook)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_COLD_DECODE",
-        help: "how decode reaches cold experts: mapped = the GPU reads them from the page-locked RAM copy (zero-copy, one device graph per step; the default with --resident-experts on a GPU), cpu = CPU workers compute them between graph splits, workers = CPU workers compute them while the GPU computes the hot ones, handed over inside the device step (host ops answered through mapped memory, patches/0009), mixed = per layer, the workers where a token is expected to select STRATA_WORKERS_MIN_COLD cold experts or more, zero-copy reads elsewhere (workers and mixed measured slower than mapped on an H100; for comparison)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_DECODE_STAGE",
-        help: "1 = zero-copy decode through tables copies a step's selected cold experts into GPU memory with one kernel before computing them, instead of the vector kernels reading them over the bus (patches/0010; measured slower than reading them in place on an H100; for comparison)",
-        effect: Effect::Experts,
-    },
-    EnvVar {
-        name: "STRATA_WORKERS_MIN_COLD",
-        help: "with STRATA_COLD_DECODE=mixed, the cold selections a token (by the profile's hit rate of the layer) from which a layer's decode hands them to the workers (default 0.5)",
-        effect: Effect::Experts,
-    },
-    EnvVar { name: "STRATA_MOE_FLAT_IDS", help: "1 = prompt batches run the cold tier as a flat mul_mat_id of one expert per column", effect: Effect::Experts },
     EnvVar { name: "STRATA_MEMGUARD_ROOT", help: "root under which the memory guard reads /proc and the cgroup-v2 files (default /)", effect: Effect::Experts },
-    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = quantized prompt matmuls without a tuned row take MMQ kernels (GPU backends with patches/0007)", effect: Effect::Active },
+    EnvVar { name: "STRATA_PREFILL_MMQ", help: "1 = quantized prompt matmuls without a tuned row take MMQ kernels (GPU backends with patches/0006)", effect: Effect::Active },
     EnvVar { name: "STRATA_HIPBLASLT_TUNING", help: "calibrated GEMM table from tools/tune-gemm (cuBLASLt on NVIDIA; refused whole when made for another GPU or library version)", effect: Effect::Active },
     EnvVar { name: "STRATA_GEMM_DEVICE", help: "\"ARCH RUNTIME BLASLT\" to check the GEMM table against instead of the GPU's own description (tests, diagnostics)", effect: Effect::Active },
     EnvVar { name: "STRATA_IO_THREADS", help: "direct-I/O workers reading PLE rows with --ple-mode ssd (default 8)", effect: Effect::Active },

@@ -3,4 +3,5 @@
 
 pub mod config;
 pub mod flags;
+pub mod lab;
 pub mod upstream;
