@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe.gguf"
 
 
 def serve(binary: Path, log: Path):

@@ -4,30 +4,27 @@ strata-server on a tiny MoE (the second through `env`), with the summary it writ
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from servers import load_tool
+from strata_tools.bench import decodediag
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "device" / "decodediag"
-SERVER = REPO / "target" / "release" / "strata-server"
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe-iq3.gguf"
-
-
-def tool():
-    return load_tool(TOOL)
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
 
 
 def test_arms_are_split_on_triple_dashes_and_named_by_their_first_word():
-    arms = tool().parse_arms(["a=srv", "-m", "x", "---", "b=env", "K=1", "srv", "-m", "x"])
+    arms = decodediag.parse_arms(["a=srv", "-m", "x", "---", "b=env", "K=1", "srv", "-m", "x"])
     assert arms == {"a": ["srv", "-m", "x"], "b": ["env", "K=1", "srv", "-m", "x"]}
     for bad in (["srv", "-m", "x"], ["a=srv", "---", "a=srv"], [], ["=srv"]):
         with pytest.raises(SystemExit):
-            tool().parse_arms(bad)
+            decodediag.parse_arms(bad)
 
 
 @pytest.mark.skipif(not (SERVER.exists() and MODEL.exists()), reason="needs tools/setup")

@@ -13,14 +13,14 @@ import pytest
 
 import servers
 
+from strata_tools.bench import ab as ab_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools.device import ab as ab_tool  # noqa: E402
 
 AB = REPO / "tools" / "device" / "ab"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe.gguf"
 
 
 def ab(*args: str) -> subprocess.CompletedProcess:

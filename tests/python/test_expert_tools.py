@@ -4,17 +4,18 @@ and the comparison in tools/device/parity."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from strata_tools.device import parity
+
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
-SERVER = REPO / "target/release/strata-server"
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools.device import parity  # noqa: E402
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 
 
 @pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")

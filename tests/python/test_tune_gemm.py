@@ -4,6 +4,7 @@ smoke mode: the GPU candidates need the GPU machine)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,21 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from servers import load_tool
+from strata_tools import tune_gemm
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
 LIBS = REPO / "target/llama.cpp/cpu/build/bin"
 INCLUDE = REPO / "vendor/llama.cpp/ggml/include"
 
 
-def tool():
-    return load_tool(REPO / "tools/tune-gemm")
-
-
 @pytest.mark.skipif(not MODEL.exists(), reason="needs tools/setup (tiny models)")
 def test_shapes_are_the_dense_weights_at_each_batch_size() -> None:
-    rows = tool().shapes(MODEL, [64, 512])
+    rows = tune_gemm.shapes(MODEL, [64, 512])
     # qwen3moe: q, k, v, output projections and the router per layer, the output head; experts
     # (3-D) and the token embedding are not dense matmuls
     assert ("q4_K", 151936, 512, 256) in rows, rows
@@ -64,7 +61,7 @@ def test_report_gives_one_row_per_shape_with_the_fastest_candidate_and_the_verdi
         "f32 512 512 2048: the default stays",
         "q4_K 4096 4096 4096 default: 786.00 us, 174.9 TFLOP/s, rel err 0.00e+00",
     ])
-    lines = tool().report(log).splitlines()
+    lines = tune_gemm.report(log).splitlines()
     assert len(lines) == 5, lines
     assert lines[2] == "| q4_K | 4096 | 512 | 4096 | 105.2 | 105.5 | 79.3 (blaslt 0, 1.12e-02) | blaslt 0, 1.328x |"
     assert lines[3] == "| f32 | 512 | 512 | 2048 | 17.6 | - | 22.7 (blaslt 7, 3.02e-06) | default |"

@@ -21,8 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, stop, strata_metrics, wait_healthy
-from strata_tools.device import split_arms
+from strata_tools import NotReady, free_port, post_json, split_arms, stop, strata_metrics, wait_healthy
 
 TIERS = ("vram", "ram", "mmap")
 

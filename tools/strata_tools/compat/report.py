@@ -49,12 +49,12 @@ def main():
     print("# Compatibility: the pin's `tools/server/tests` against both servers\n")
     print(f"- command: `{a.command}`")
     import subprocess
-    commit = subprocess.run(["git", "-C", str(__import__("pathlib").Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"],
+    commit = subprocess.run(["git", "-C", str(__import__("pathlib").Path(__file__).resolve().parents[3]), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     if commit:
         print(f"- strata-server built from commit `{commit}`")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; host: {platform.machine()} {platform.node()}")
-    print("- models: the presets are mapped to local files by `tools/compat/strata_compat.py`;")
+    print("- models: the presets are mapped to local files by `tools/strata_tools/compat/plugin.py`;")
     print("  a test that would download anything is skipped with `needs network`.\n")
     print("| result | upstream llama-server | strata-server |\n|---|---|---|")
     for k in ORDER + ["not run"]:

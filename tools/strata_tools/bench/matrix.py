@@ -1,0 +1,181 @@
+"""The matrix of tools/device/run-ring rows: one object per row directory
+(row-GIB-SKEW-UB[-DECODE][+ARM], DECODE naming the candidate's STRATA_COLD_DECODE, ARM its
+residency arm: profile (the default), adapt (the profile and --adapt-every), noprofile (only
+--adapt-every), onepass, waves, paced, minp, lend, table or chains (tools/device/run-ring says what each
+sets); made by tools/device/ab) with the ratios of the candidate to the control and to the
+all-GPU ceiling measured in the same device call.
+
+    tools/device/matrix --commit SHA DIR... > matrix.json
+
+A row whose ceiling arm ran in another row of the same call (same skew and batch size) takes it
+from there. Rows where an arm has no result are listed with "error". A candidate that wrote a
+step trace (candidate.steps.jsonl, STRATA_STEP_TRACE) adds its medians as candidate_step_us.
+
+With --with-decode the output is an object: "rows" (the above), "decode" (each
+decodediag/ directory's arms: decode t/s per run, their median, the ratio to the first arm's
+median, the command, and the step trace's medians where strata-server wrote one) and "kprof"
+(each kprof/ directory's per-step kernel totals by arm).
+
+The GEMM table's rows (gemm-MODEL-on and gemm-MODEL-off: everything on the GPU, the candidate
+with STRATA_HIPBLASLT_TUNING and without) follow, each with its ratio to the control and, for
+"on", to the "off" candidate of the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from strata_tools.bench import decodediag_arms, step_trace_medians
+
+GIB = 1024 ** 3
+ROW = re.compile(r"row-([\d.]+)-([\d.]+)-(\d+)(?:-([a-z]+))?(?:\+([a-z]+))?")
+GEMM = re.compile(r"gemm-(.+)-(on|off)")
+
+
+def fresh(path: Path) -> list[dict]:
+    return [r for r in json.loads(path.read_text())["requests"] if r["kind"] == "fresh"]
+
+
+def metrics(path: Path) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#"):
+                key, _, val = line.rpartition(" ")
+                try:
+                    out[key] = float(val)
+                except ValueError:
+                    pass
+    return out
+
+
+def row(d: Path, ceilings: dict[tuple[str, str], Path], commit: str) -> dict:
+    m = ROW.fullmatch(d.name)
+    gib, skew, ub = m.group(1), m.group(2), m.group(3)
+    out = {"budget_gib": float(gib), "skew": float(skew), "ubatch": int(ub), "commit": commit, "dir": d.name}
+    if m.group(4):
+        out["cold_decode"] = m.group(4)
+    out["arm"] = m.group(5) or "profile"
+    try:
+        ctl, cand = fresh(d / "control.json"), fresh(d / "candidate.json")
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        out["error"] = f"no result: {e}"
+        return out
+    pre = [c["prefill_tps"] / b["prefill_tps"] for b, c in zip(ctl, cand)]
+    dec = [c["decode_tps"] / b["decode_tps"] for b, c in zip(ctl, cand)]
+    out.update(prefill_ratio_min=round(min(pre), 3), prefill_ratio_max=round(max(pre), 3),
+               decode_ratio_min=round(min(dec), 3), decode_ratio_max=round(max(dec), 3))
+    ceil_path = ceilings.get((skew, ub))
+    if ceil_path:
+        ceil = fresh(ceil_path)
+        out["prefill_vs_allgpu"] = round(statistics.median(c["prefill_tps"] / x["prefill_tps"] for c, x in zip(cand, ceil)), 3)
+        out["decode_vs_allgpu"] = round(statistics.median(c["decode_tps"] / x["decode_tps"] for c, x in zip(cand, ceil)), 3)
+        out["ceiling_from"] = ceil_path.parent.name
+    mt = metrics(d / "candidate.metrics.txt")
+    sel = {t: mt.get(f'strata:expert_selections_total{{tier="{t}"}}', 0.0) for t in ("vram", "ram", "mmap")}
+    if sum(sel.values()) > 0:
+        out["hit_rate"] = round(sel["vram"] / sum(sel.values()), 4)
+    if "strata:expert_swaps_total" in mt:
+        out["swaps"] = int(mt["strata:expert_swaps_total"])
+    for part in ("copies", "maps"):
+        key = f'strata:expert_swap_microseconds_total{{part="{part}"}}'
+        if key in mt:
+            out[f"swap_{part}_seconds"] = round(mt[key] / 1e6, 3)
+    tokens = mt.get("llamacpp:prompt_tokens_total", 0.0)
+    if tokens > 0:
+        out["h2d_gib_per_1k_tokens"] = round(mt.get("strata:prefill_ring_h2d_bytes_total", 0.0) / tokens * 1000 / GIB, 3)
+    steps = step_trace_medians(d / "candidate.steps.jsonl")
+    if steps:
+        out["candidate_step_us"] = steps
+    out["control_prefill_tps"] = [round(b["prefill_tps"], 1) for b in ctl]
+    out["candidate_prefill_tps"] = [round(c["prefill_tps"], 1) for c in cand]
+    out["control_decode_tps"] = [round(b["decode_tps"], 1) for b in ctl]
+    out["candidate_decode_tps"] = [round(c["decode_tps"], 1) for c in cand]
+    return out
+
+
+def gemm_row(d: Path, dirs: dict[str, Path], commit: str) -> dict:
+    model, table = GEMM.fullmatch(d.name).groups()
+    out = {"kind": "gemm", "model": model, "table": table, "commit": commit, "dir": d.name}
+    try:
+        ctl, cand = fresh(d / "control.json"), fresh(d / "candidate.json")
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        out["error"] = f"no result: {e}"
+        return out
+    pre = [c["prefill_tps"] / b["prefill_tps"] for b, c in zip(ctl, cand)]
+    out.update(prefill_ratio_min=round(min(pre), 3), prefill_ratio_max=round(max(pre), 3))
+    off = dirs.get(f"gemm-{model}-off")
+    if table == "on" and off is not None and (off / "candidate.json").exists():
+        base = fresh(off / "candidate.json")
+        vs = [c["prefill_tps"] / b["prefill_tps"] for b, c in zip(base, cand)]
+        out.update(prefill_vs_off_min=round(min(vs), 3), prefill_vs_off_max=round(max(vs), 3))
+    mt = metrics(d / "candidate.metrics.txt")
+    paths = {p: int(mt[f'strata:gemm_matmuls_total{{path="{p}"}}']) for p in ("default", "mmq", "blaslt")
+             if f'strata:gemm_matmuls_total{{path="{p}"}}' in mt}
+    if paths:
+        out["matmuls_by_path"] = paths
+    out["control_prefill_tps"] = [round(b["prefill_tps"], 1) for b in ctl]
+    out["candidate_prefill_tps"] = [round(c["prefill_tps"], 1) for c in cand]
+    return out
+
+
+def decode_arms(call: Path) -> list[dict]:
+    out: list[dict] = []
+    for a in decodediag_arms(call / "decodediag"):
+        entry: dict = {"call": call.name, "arm": a["arm"], "command": " ".join(a["command"])}
+        if "error" in a:
+            out.append(entry | {"error": a["error"]})
+            continue
+        entry.update(decode_tps=[round(x, 1) for x in a["decode_tps"]], decode_tps_median=round(a["median"], 1),
+                     graphs_reused=a["graphs_reused"], vs_first=round(a["vs_first"], 3))
+        if a["step_us"]:
+            entry["step_us"] = a["step_us"]
+        out.append(entry)
+    return out
+
+
+def kprof_arms(call: Path) -> dict:
+    out: dict = {}
+    for f in sorted((call / "kprof").glob("*.json")):
+        if f.name == "arms.json":
+            continue
+        try:
+            res = json.loads(f.read_text())
+            out[f.stem] = {k: res[k] for k in ("steps", "kernels_per_step", "gpu_us_per_step")}
+        except (OSError, KeyError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--with-decode", action="store_true", help="an object with the decodediag and kprof arms too")
+    ap.add_argument("dirs", nargs="+", help="call output directories holding row-* (and gemm-*) directories")
+    args = ap.parse_args(argv)
+    rows = sorted(d for base in args.dirs for d in Path(base).glob("row-*") if d.is_dir())
+    ceilings: dict[tuple[str, str], Path] = {}
+    for d in rows:
+        m = ROW.fullmatch(d.name)
+        if m and (d / "ceiling.json").exists():
+            ceilings[(m.group(2), m.group(3))] = d / "ceiling.json"
+    gemm = sorted(d for base in args.dirs for d in Path(base).glob("gemm-*") if d.is_dir() and GEMM.fullmatch(d.name))
+    by_name = {d.name: d for d in gemm}
+    out = [row(d, ceilings, args.commit) for d in rows] + [gemm_row(d, by_name, args.commit) for d in gemm]
+    if args.with_decode:
+        calls = [Path(b) for b in args.dirs]
+        out = {"strata_commit": args.commit, "rows": out,
+               "decode": [a for c in calls if (c / "decodediag").is_dir() for a in decode_arms(c)],
+               "kprof": {c.name: k for c in calls if (k := kprof_arms(c))}}
+    json.dump(out, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
