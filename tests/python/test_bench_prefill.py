@@ -1,4 +1,4 @@
-"""tools/hip/bench_prefill.py in --quick mode against real servers on loopback: strata-server and,
+"""tools/bench/prefill in --quick mode against real servers on loopback: strata-server and,
 unchanged, upstream llama-server from the same pin; then --compare on the two runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import servers
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
+BENCH = REPO / "tools" / "bench" / "prefill"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
 MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe.gguf"

@@ -1,4 +1,4 @@
-"""tools/device/decodediag: arms parsed from its command line, and a real run of two arms of
+"""tools/bench/decodediag: arms parsed from its command line, and a real run of two arms of
 strata-server on a tiny MoE (the second through `env`), with the summary it writes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from strata_tools.bench import decodediag
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "tools" / "device" / "decodediag"
+TOOL = REPO / "tools" / "bench" / "decodediag"
 SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
 

@@ -1,9 +1,9 @@
 """A/B run: upstream llama-server (control) against strata-server (candidate), one at a time on
-one idle machine, each measured by tools/hip/bench_prefill.py; prints the compare table last.
+one idle machine, each measured by tools/bench/prefill; prints the compare table last.
 
-    tools/device/ab --control BIN --candidate BIN --model GGUF --out DIR
+    tools/bench/ab --control BIN --candidate BIN --model GGUF --out DIR
                     [--vram-gib G] [--ctx N] [--quick] [--ceiling] [-- EXTRA SERVER ARGS]
-    tools/device/ab --plan GGUF --vram-gib G [--ctx N]
+    tools/bench/ab --plan GGUF --vram-gib G [--ctx N]
 
 Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, benchmarked, and
 stopped before the next starts; strata-server also writes the host's time around its decode
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for logs, JSONs and the chart")
     ap.add_argument("--vram-gib", type=float, help="emulate a card of this many GiB")
     ap.add_argument("--ctx", type=int, default=16384, help="context size of both arms (default 16384)")
-    ap.add_argument("--quick", action="store_true", help="bench_prefill --quick (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tools/bench/prefill --quick (CPU smoke test)")
     ap.add_argument("--plan", metavar="GGUF", help="print the --n-cpu-moe arithmetic for this model and exit")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--ceiling", action="store_true", help="also run the control all on the GPU first (the ceiling)")

@@ -4,7 +4,7 @@ mul_mat_id on the CPU), one with tiers and an empty hot tier (`--expert-cache 0`
 expert goes through Strata's kernels). Both run on the CPU, so the ratio is the kernels'
 efficiency, not a placement gain.
 
-    tools/bench-cold-experts --model M.gguf --out OUT.json [--server BIN] [-- server args]
+    tools/bench/cold-experts --model M.gguf --out OUT.json [--server BIN] [-- server args]
 """
 import argparse
 import json
@@ -33,7 +33,7 @@ def arm(label: str, cmd: list[str], n_predict: int, reps: int, log: Path) -> dic
             try:
                 wait_healthy(url, proc, timeout=600)
             except NotReady as e:
-                raise SystemExit(f"bench-cold-experts: {label} {e}; see {log}")
+                raise SystemExit(f"cold-experts: {label} {e}; see {log}")
             body = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
             rates = []
             for i in range(reps + 1):

@@ -5,9 +5,9 @@ server command line (llama-server or strata-server; `env X=Y CMD` sets variables
 started, answers a short warm-up request, then --runs requests of the same prompt (no prompt
 cache) that each generate --predict tokens, greedy, ignoring end of text.
 
-    tools/device/decodediag --out DIR --prompt-file F [--prompt-tokens 512] [--predict 256] [--runs 2]
+    tools/bench/decodediag --out DIR --prompt-file F [--prompt-tokens 512] [--predict 256] [--runs 2]
                             -- NAME=CMD... --- NAME=CMD...
-    tools/device/decodediag --summary DIR
+    tools/bench/decodediag --summary DIR
 
 Writes DIR/arms.json, DIR/NAME.json (timings of every run), DIR/NAME.log and DIR/summary.txt:
 per arm the decode t/s of each run, the median, the ratio of the median to the first arm's and

@@ -2,10 +2,10 @@
 (row-GIB-SKEW-UB[-DECODE][+ARM], DECODE naming the candidate's STRATA_COLD_DECODE, ARM its
 residency arm: profile (the default), adapt (the profile and --adapt-every), noprofile (only
 --adapt-every), onepass, waves, paced, minp, lend, table or chains (tools/device/run-ring says what each
-sets); made by tools/device/ab) with the ratios of the candidate to the control and to the
+sets); made by tools/bench/ab) with the ratios of the candidate to the control and to the
 all-GPU ceiling measured in the same device call.
 
-    tools/device/matrix --commit SHA DIR... > matrix.json
+    tools/bench/matrix --commit SHA DIR... > matrix.json
 
 A row whose ceiling arm ran in another row of the same call (same skew and batch size) takes it
 from there. Rows where an arm has no result are listed with "error". A candidate that wrote a

@@ -15,7 +15,7 @@ With --repeat N the three arms run N rounds, each round in another order (rotate
 table gives per arm the median and range over the rounds, and the ratios' medians over the
 rounds (each round's arms ran back to back), for machines whose speed drifts between runs.
 
-  tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
+  tools/bench/ple MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
                      [--repeat N] [--ssd-cache-mib N] [--warmup-tokens N] [--server PATH]
                      [-- more server arguments]
 

@@ -1,9 +1,9 @@
 """Prefill/decode benchmark of one llama-server-compatible server (upstream llama-server or
 strata-server), in the fixed request order Strata's A/B results use.
 
-    bench_prefill.py --model NAME --url http://127.0.0.1:8080 --engine-log LOG \\
+    tools/bench/prefill --model NAME --url http://127.0.0.1:8080 --engine-log LOG \\
                      --label LABEL --output OUT.json [--quick]
-    bench_prefill.py --compare CONTROL.json CANDIDATE.json [...] [--chart OUT.png]
+    tools/bench/prefill --compare CONTROL.json CANDIDATE.json [...] [--chart OUT.png]
 
 One run sends, on one idle server: a small warmup, then fresh prompts of 140, 280, 140 and 280
 generated functions (about 4.2k and 8.8k tokens with a Qwen-class tokenizer), each followed by
@@ -65,7 +65,7 @@ def post(url: str, body: dict, timeout: float = 3600.0) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
     except urllib.error.HTTPError as e:
-        raise SystemExit(f"bench_prefill: {url} answered {e.code}: {e.read().decode(errors='replace')}")
+        raise SystemExit(f"prefill: {url} answered {e.code}: {e.read().decode(errors='replace')}")
 
 
 def get(url: str) -> dict:
@@ -129,14 +129,14 @@ def run_request(args, log: EngineLog, kind: str, n_functions: int, messages: lis
     choice = res["choices"][0]
     recs = log.new_records()
     if len(recs) != 1:
-        raise SystemExit(f"bench_prefill: {kind} request added {len(recs)} completed timing records to "
+        raise SystemExit(f"prefill: {kind} request added {len(recs)} completed timing records to "
                          f"{log.path}, expected exactly 1 (is the log unbuffered and the server idle?)")
     rec = recs[0]
     prompt_n = t.get("prompt_n")
     if rec["prompt_n"] != prompt_n or rec["eval_n"] != t.get("predicted_n"):
-        raise SystemExit(f"bench_prefill: engine log record {rec} does not match the response timings {t}")
+        raise SystemExit(f"prefill: engine log record {rec} does not match the response timings {t}")
     if fresh and t.get("cache_n", 0) != 0:
-        raise SystemExit(f"bench_prefill: fresh prompt reused {t.get('cache_n')} KV tokens, expected 0")
+        raise SystemExit(f"prefill: fresh prompt reused {t.get('cache_n')} KV tokens, expected 0")
     out = {
         "kind": kind,
         "n_functions": n_functions,
@@ -159,11 +159,11 @@ def run(args) -> dict:
     shape = QUICK if args.quick else FULL
     log_path = Path(args.engine_log)
     if not log_path.exists():
-        raise SystemExit(f"bench_prefill: engine log {log_path} does not exist")
+        raise SystemExit(f"prefill: engine log {log_path} does not exist")
     base = args.url.rstrip("/")
     health = get(base + "/health")
     if health.get("status") != "ok":
-        raise SystemExit(f"bench_prefill: server not ready: {health}")
+        raise SystemExit(f"prefill: server not ready: {health}")
     props = get(base + "/props")
     log = EngineLog(log_path)
     requests = []
@@ -202,7 +202,7 @@ def compare(paths: list[str], chart: str | None) -> str:
     n_rows = len(fresh_rows(base))
     for r in runs:
         if len(fresh_rows(r)) != n_rows:
-            raise SystemExit(f"bench_prefill: {r['label']} has {len(fresh_rows(r))} fresh requests, {base['label']} {n_rows}")
+            raise SystemExit(f"prefill: {r['label']} has {len(fresh_rows(r))} fresh requests, {base['label']} {n_rows}")
     head = ["Fresh request, execution order", f"{base['label']} prefill t/s"]
     for r in rest:
         head += [f"{r['label']} prefill t/s", f"{r['label']} / {base['label']}", f"{r['label']} output t/s",
@@ -231,7 +231,7 @@ def compare(paths: list[str], chart: str | None) -> str:
         try:
             write_chart(runs, chart)
         except ImportError:
-            print("bench_prefill: no matplotlib here, chart skipped (run --compare again where it is)", file=sys.stderr)
+            print("prefill: no matplotlib here, chart skipped (run --compare again where it is)", file=sys.stderr)
     return table
 
 

@@ -1,5 +1,5 @@
 """Prefill and decode speed of one request on each of several server commands, in turn: a check
-that fits a short device call. tools/device/ab is the benchmark; this is not a substitute.
+that fits a short device call. tools/bench/ab is the benchmark; this is not a substitute.
 
   probe --prompt-file P [--n 128] --out DIR -- LABEL CMD ARGS... --- LABEL CMD ARGS...
 

@@ -1,5 +1,5 @@
-"""tools/device/matrix: the rows of a device call as the expert issues' matrix.json wants them,
-from row directories laid out as tools/device/run-ring and tools/device/ab leave them."""
+"""tools/bench/matrix: the rows of a device call as the expert issues' matrix.json wants them,
+from row directories laid out as tools/device/run-ring and tools/bench/ab leave them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MATRIX = REPO / "tools" / "device" / "matrix"
+MATRIX = REPO / "tools" / "bench" / "matrix"
 KEYS = {"budget_gib", "skew", "ubatch", "hit_rate", "prefill_ratio_min", "prefill_ratio_max", "decode_ratio_min",
         "decode_ratio_max", "prefill_vs_allgpu", "decode_vs_allgpu", "h2d_gib_per_1k_tokens", "commit"}
 
