@@ -43,6 +43,7 @@ def test_two_arms_run_and_the_summary_compares_them(tmp_path):
         assert [x["predicted_n"] for x in r["runs"]] == [8, 8]
         assert all(x["prompt_n"] == 64 for x in r["runs"])
         assert r["graphs_reused"] is not None
+        assert r["binary"]["path"] == str(SERVER) and len(r["binary"]["commit"]) == 12, r["binary"]
     lines = (tmp_path / "out" / "summary.txt").read_text().splitlines()
     assert lines[1].startswith("plain") and "1.000x" in lines[1]
     assert lines[2].startswith("tiers")

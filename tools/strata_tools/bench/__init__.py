@@ -28,7 +28,8 @@ def decodediag_arms(out) -> list[dict]:
     """The arms of a tools/bench/decodediag output directory, in arms.json's order: "arm",
     "command" (its argv), "step_us" (step_trace_medians of its trace, None without one) and either
     "error" (no result) or "decode_tps" (each run's), "median", "vs_first" (the median over the
-    first arm's with a result) and "graphs_reused"; [] without arms.json."""
+    first arm's with a result), "graphs_reused" and "binary" (its provenance, where recorded); []
+    without arms.json."""
     out = Path(out)
     try:
         arms = json.loads((out / "arms.json").read_text())
@@ -46,5 +47,6 @@ def decodediag_arms(out) -> list[dict]:
         tps = [x["predicted_per_second"] for x in r["runs"]]
         med = statistics.median(tps)
         first = first or med
-        res.append(entry | {"decode_tps": tps, "median": med, "vs_first": med / first, "graphs_reused": r.get("graphs_reused")})
+        res.append(entry | {"decode_tps": tps, "median": med, "vs_first": med / first, "graphs_reused": r.get("graphs_reused"),
+                            "binary": r.get("binary")})
     return res

@@ -114,8 +114,8 @@ def run_arm(label: str, cmd: list[str], args, port: int) -> Path:
             wait_ready(url, proc)
             print(f"   ready in {time.time() - t0:.1f} s", flush=True)
             result = out / f"{label}.json"
-            prefill.main(["--model", Path(args.model).stem, "--url", url, "--engine-log", str(log), "--label", label,
-                          "--output", str(result)] + (["--quick"] if args.quick else []))
+            prefill.main(["--model", Path(args.model).stem, "--url", url, "--engine-log", str(log), "--binary", cmd[0],
+                          "--label", label, "--output", str(result)] + (["--quick"] if args.quick else []))
             try:
                 with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
                     (out / f"{label}.metrics.txt").write_bytes(r.read())

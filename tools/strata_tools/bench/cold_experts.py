@@ -13,7 +13,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from strata_tools import REPO, NotReady, free_port, wait_healthy
+from strata_tools import REPO, NotReady, free_port, provenance, wait_healthy
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -75,7 +75,8 @@ def main() -> int:
                     args.reps, out.with_suffix(".b.log")))
     ratio = runs[1]["median_decode_tps"] / runs[0]["median_decode_tps"]
     print(f"ratio (strata cold kernels / llama.cpp mul_mat_id, median decode): {ratio:.3f}")
-    out.write_text(json.dumps({"model": args.model, "runs": runs, "ratio": ratio}, indent=1))
+    out.write_text(json.dumps({"model": args.model, "binary": provenance.binary(args.server), "runs": runs, "ratio": ratio},
+                              indent=1))
     return 0
 
 

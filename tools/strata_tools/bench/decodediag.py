@@ -9,7 +9,7 @@ cache) that each generate --predict tokens, greedy, ignoring end of text.
                             -- NAME=CMD... --- NAME=CMD...
     tools/bench/decodediag --summary DIR
 
-Writes DIR/arms.json, DIR/NAME.json (timings of every run), DIR/NAME.log and DIR/summary.txt:
+Writes DIR/arms.json, DIR/NAME.json (timings of every run, and the binary's sha256 and --version line), DIR/NAME.log and DIR/summary.txt:
 per arm the decode t/s of each run, the median, the ratio of the median to the first arm's and
 the server's "graphs reused" count after the last run. strata-server arms also write
 DIR/NAME.steps.jsonl (STRATA_STEP_TRACE, which upstream ignores): the host's time around their
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, split_arms, stop, wait_healthy
+from strata_tools import NotReady, free_port, post_json, provenance, split_arms, stop, wait_healthy
 from strata_tools.bench import decodediag_arms
 
 REUSED = re.compile(r"graphs reused =\s*(\d+)")
@@ -66,7 +66,8 @@ def run_arm(name: str, cmd: list[str], text: str, a: argparse.Namespace) -> dict
         finally:
             stop(proc)
     reused = REUSED.findall(log_path.read_text(errors="replace"))
-    return {"command": cmd, "runs": runs, "graphs_reused": int(reused[-1]) if reused else None}
+    return {"command": cmd, "binary": provenance.binary(provenance.command_binary(cmd)), "runs": runs,
+            "graphs_reused": int(reused[-1]) if reused else None}
 
 
 def summary(out: Path) -> str:

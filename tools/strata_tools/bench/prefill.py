@@ -2,7 +2,7 @@
 strata-server), in the fixed request order Strata's A/B results use.
 
     tools/bench/prefill --model NAME --url http://127.0.0.1:8080 --engine-log LOG \\
-                     --label LABEL --output OUT.json [--quick]
+                        --binary SERVER --label LABEL --output OUT.json [--quick]
     tools/bench/prefill --compare CONTROL.json CANDIDATE.json [...] [--chart OUT.png]
 
 One run sends, on one idle server: a small warmup, then fresh prompts of 140, 280, 140 and 280
@@ -18,6 +18,9 @@ one completed timing record there ("prompt eval time", "eval time", "total time"
 its prompt and generated token counts must match the response, or the run fails. Cancelled
 requests print no such record, so no cancelled line can be taken as evidence.
 
+--binary names the server's executable: the run records its sha256 and the first line of its
+--version (and strata-server's commit from it).
+
 --quick uses small prompts and a 16-token cap, for CPU smoke tests.
 """
 
@@ -31,6 +34,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from strata_tools import provenance
 
 SAMPLING = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "seed": 42}
 FULL = {"warmup": 8, "fresh": [140, 280, 140, 280], "max_tokens": 128}
@@ -165,6 +170,7 @@ def run(args) -> dict:
     if health.get("status") != "ok":
         raise SystemExit(f"prefill: server not ready: {health}")
     props = get(base + "/props")
+    binary = provenance.binary(args.binary)
     log = EngineLog(log_path)
     requests = []
     conv = [{"role": "user", "content": user_prompt(shape["warmup"], 0)}]
@@ -188,6 +194,7 @@ def run(args) -> dict:
         "server": {"build_info": props.get("build_info"), "model_path": props.get("model_path"),
                    "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
                    "total_slots": props.get("total_slots")},
+        "binary": binary,
         "requests": requests,
     }
 
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model name sent with each request")
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--engine-log", help="the server's unbuffered stderr log")
+    ap.add_argument("--binary", help="the server's executable (its sha256 and --version go into the result)")
     ap.add_argument("--label", help="name of this arm (control, candidate, ...)")
     ap.add_argument("--output", help="where to write the run's JSON")
     ap.add_argument("--quick", action="store_true", help="small prompts and a 16-token cap (CPU smoke test)")
@@ -269,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare(args.compare, args.chart))
         return 0
-    missing = [f for f in ("model", "engine_log", "label", "output") if getattr(args, f) is None]
+    missing = [f for f in ("model", "engine_log", "binary", "label", "output") if getattr(args, f) is None]
     if missing:
         ap.error("a run needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    if not Path(args.binary).is_file():
+        raise SystemExit(f"prefill: no such server binary: {args.binary}")
     result = run(args)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     for r in result["requests"]:

@@ -18,7 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from strata_tools import REPO
+from strata_tools import REPO, provenance
+from strata_tools.compat.report import binary_line
 
 SERVERS = {"upstream": REPO / "target/upstream/bin/llama-server", "strata": REPO / "target/release/strata-server"}
 KEYS = ["cache_n", "prompt_n", "predicted_n", "draft_n", "draft_n_accepted"]
@@ -98,12 +99,12 @@ def main() -> int:
         rows += lines
         print("\n".join(lines), flush=True)
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
         head = ["# Upstream llama-server and strata-server, same flags, same requests", "",
-                f"Command: `tools/compat/side_by_side.py {args.scenarios}` (scenarios in that file); commit {commit}; "
+                f"Command: `tools/compat/side_by_side.py {args.scenarios}` (scenarios in that file); "
                 f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. 'same': equal content (or whole answer) and "
-                "equal cache_n/prompt_n/predicted_n/draft_n/draft_n_accepted.", "",
-                "| scenario | request | upstream vs strata | upstream timings |", "|---|---|---|---|"]
+                "equal cache_n/prompt_n/predicted_n/draft_n/draft_n_accepted.", ""]
+        head += [f"- {name}: {binary_line(provenance.binary(path))}" for name, path in SERVERS.items()]
+        head += ["", "| scenario | request | upstream vs strata | upstream timings |", "|---|---|---|---|"]
         Path(args.out).write_text("\n".join(head + rows) + "\n")
     return 0 if all_ok else 1
 

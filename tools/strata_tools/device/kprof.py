@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, split_arms, stop, strata_metrics, wait_healthy
+from strata_tools import NotReady, free_port, post_json, provenance, split_arms, stop, strata_metrics, wait_healthy
 
 METRIC = "gpu__time_duration.sum"
 UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
@@ -176,7 +176,7 @@ def run_arm(name: str, cmd: list[str], text: str, a: argparse.Namespace) -> dict
     steps = decode_steps(kernels)
     if steps:
         (a.out / f"{name}.step.tsv").write_text(step_table(steps[-1]))
-    return {"command": cmd, "timings": t, "last_step_selections": selections, "kernels_logged": len(kernels)} | step_summary(steps)
+    return {"command": cmd, "binary": provenance.binary(provenance.command_binary(cmd)), "timings": t, "last_step_selections": selections, "kernels_logged": len(kernels)} | step_summary(steps)
 
 
 def summary(out: Path) -> str:

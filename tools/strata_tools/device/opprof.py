@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, split_arms, stop, wait_healthy
+from strata_tools import NotReady, free_port, post_json, provenance, split_arms, stop, wait_healthy
 
 
 def run_arm(name: str, cmd: list[str], text: str, n_tokens: int, out: Path, profile: bool) -> dict:
@@ -40,7 +40,8 @@ def run_arm(name: str, cmd: list[str], text: str, n_tokens: int, out: Path, prof
             raise SystemExit(f"opprof: {name}: {e}; see {out / f'{name}.{kind}.log'}")
         finally:
             stop(proc)
-    return {"prompt_n": runs[-1]["prompt_n"], "prompt_per_second": [r["prompt_per_second"] for r in runs]}
+    return {"prompt_n": runs[-1]["prompt_n"], "prompt_per_second": [r["prompt_per_second"] for r in runs],
+            "binary": provenance.binary(provenance.command_binary(cmd))}
 
 
 def load_ops(path: Path) -> tuple[dict, float, int]:

@@ -29,7 +29,7 @@ from . import cases as gen
 from .compare import allowed, differences, load_allow, summarize
 from .wire import Answer, abandon, exchange, pipeline, request_bytes
 
-from strata_tools import REPO, free_port
+from strata_tools import REPO, free_port, provenance
 
 CASE_TIMEOUT = 90.0
 MALFORMED_TIMEOUT = 10.0
@@ -263,7 +263,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     report = {
         "seed": args.seed, "cases": len(case_list), "seconds": round(time.time() - t0, 1),
-        "flags": flags, "counts": dict(counts), "strata_rss_mib": rss, "upstream_rss_max_mib": upstream_rss_max,
+        "flags": flags, "binaries": {"upstream": provenance.binary(args.upstream), "strata": provenance.binary(args.strata)},
+        "counts": dict(counts), "strata_rss_mib": rss, "upstream_rss_max_mib": upstream_rss_max,
         "restarts": {k: v.starts - 1 for k, v in servers.items()},
         "findings": findings,
         "difference_classes": {k: {"count": len(v), "examples": v[:3]} for k, v in sorted(diff_classes.items())},
@@ -283,8 +284,10 @@ def _field(key: str) -> str:
 
 def _summary(r: dict, brief: bool = False) -> str:
     c = r["counts"]
-    lines = [f"# fuzz-http: seed {r['seed']}, {r['cases']} cases, {r['seconds']} s", "",
-             "| outcome | cases |", "|---|---|"]
+    lines = [f"# fuzz-http: seed {r['seed']}, {r['cases']} cases, {r['seconds']} s", ""]
+    for name, b in r.get("binaries", {}).items():
+        lines.append(f"- {name}: `{b['path']}`: `{b.get('version', b.get('error'))}`, sha256 `{b.get('sha256')}`")
+    lines += ["", "| outcome | cases |", "|---|---|"]
     for k in sorted(c):
         lines.append(f"| {k} | {c[k]} |")
     rss = r["strata_rss_mib"]
