@@ -1,6 +1,7 @@
 """Strata's Python tools, one package: what they share (the repository's root, a free loopback
 port, waiting for a server's /health, stopping it, JSON requests, strata-server's /metrics
-samples, arms given as `NAME=BIN ARGS --- NAME=BIN ARGS`) here, each command in its own module.
+samples, arms given as `NAME=BIN ARGS --- NAME=BIN ARGS`, an error answer's message, writing a
+result whole or not at all) here, each command in its own module.
 
 The commands under tools/ are small wrappers that put tools/ on sys.path and call a module's
 main(); the tests import the modules (pyproject.toml puts tools/ on pytest's path).
@@ -9,9 +10,11 @@ main(); the tests import the modules (pyproject.toml puts tools/ on pytest's pat
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -60,6 +63,26 @@ def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.load(r)
+
+
+def http_error_message(e: urllib.error.HTTPError) -> str:
+    """The message of an error answer: llama-server's {"error": {"message"}}, else its first line."""
+    body = e.read().decode(errors="replace")
+    try:
+        return str(json.loads(body)["error"]["message"]).splitlines()[0]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return (body.strip().splitlines() or [e.reason or "no body"])[0][:300]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """path holds text or, if writing fails, what it held before: the text goes to a temporary
+    file beside it, renamed over it once written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def strata_metrics(url: str) -> dict[str, float]:
