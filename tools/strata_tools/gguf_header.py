@@ -16,6 +16,10 @@ TYPE_SIZES = {
 SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
+class GGUFError(ValueError):
+    """The file is not a GGUF file, or its header is cut short or holds an unknown value type."""
+
+
 def gguf_tensors(path: Path) -> tuple[dict, list[tuple[str, list[int], int]]]:
     """Scalar and string KVs, and (name, dims, ggml type id) of every tensor, from a GGUF header."""
     with open(path, "rb") as f:
@@ -33,22 +37,25 @@ def gguf_tensors(path: Path) -> tuple[dict, list[tuple[str, list[int], int]]]:
                 return [value(etype) for _ in range(n)]
             return take(SCALAR[vtype])
 
-        magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
-        if magic != 0x46554747:
-            raise SystemExit(f"{path} is not a GGUF file")
-        kv = {}
-        for _ in range(n_kv):
-            key = string()
-            v = value(take("<I"))
-            if not isinstance(v, list):
-                kv[key] = v
-        tensors = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("<Q") for _ in range(take("<I"))]
-            ttype = take("<I")
-            take("<Q")  # offset
-            tensors.append((name, dims, ttype))
+        try:
+            magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
+            if magic != 0x46554747:
+                raise GGUFError(f"{path} is not a GGUF file")
+            kv = {}
+            for _ in range(n_kv):
+                key = string()
+                v = value(take("<I"))
+                if not isinstance(v, list):
+                    kv[key] = v
+            tensors = []
+            for _ in range(n_tensors):
+                name = string()
+                dims = [take("<Q") for _ in range(take("<I"))]
+                ttype = take("<I")
+                take("<Q")  # offset
+                tensors.append((name, dims, ttype))
+        except (struct.error, KeyError) as e:
+            raise GGUFError(f"{path}: the GGUF header is cut short or unreadable ({e})") from None
     return kv, tensors
 
 

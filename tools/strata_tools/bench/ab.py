@@ -31,7 +31,7 @@ from pathlib import Path
 
 from strata_tools import NotReady, wait_healthy
 from strata_tools.bench import prefill
-from strata_tools.gguf_header import read_gguf
+from strata_tools.gguf_header import GGUFError, read_gguf
 
 GIB = 1024 ** 3
 # Compute buffers and CUDA context the user leaves room for on top of weights and KV cache.
@@ -147,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                     "with --vram-gib they replace --n-cpu-moe")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    try:
+        return run(ap, args, extra)
+    except GGUFError as e:
+        raise SystemExit(f"ab: {e}")
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
     if args.plan:
         if args.vram_gib is None:
             ap.error("--plan needs --vram-gib")
