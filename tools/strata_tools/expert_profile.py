@@ -18,6 +18,7 @@ most-selected expert gets the fewest selections), a workload whose routing has m
 the profile's.
 """
 import argparse
+import http.client
 import json
 import os
 import subprocess
@@ -134,7 +135,7 @@ def profile(args, extra: list[str]) -> int:
                                                             "cache_prompt": False})
                     except urllib.error.HTTPError as e:
                         raise Failure(f"{f}: strata-server answered {e.code}: {http_error_message(e)}")
-                    except (OSError, ValueError) as e:
+                    except (OSError, ValueError, http.client.HTTPException) as e:
                         raise Failure(f"{f}: no answer from strata-server ({e}); see {log_path}")
                     n_tokens += r["tokens_evaluated"] + r["tokens_predicted"]
                     print(f"  [{i + 1}/{len(files)}] {f}: {r['tokens_evaluated']} + {r['tokens_predicted']} tokens", flush=True)
