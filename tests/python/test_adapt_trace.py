@@ -11,18 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from strata_tools import split_arms
+from strata_tools.device import adapt_trace
+
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
-SERVER = REPO / "target/release/strata-server"
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools.device import adapt_trace  # noqa: E402
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 
 
 def test_arms_split_on_triple_dashes_and_need_a_name() -> None:
-    arms = adapt_trace.split_arms(["a=bin", "-m", "x", "---", "b=env", "V=1", "bin"])
+    arms = split_arms(["a=bin", "-m", "x", "---", "b=env", "V=1", "bin"])
     assert arms == [("a", ["bin", "-m", "x"]), ("b", ["env", "V=1", "bin"])]
     with pytest.raises(SystemExit, match="NAME=BIN"):
-        adapt_trace.split_arms(["bin", "-m", "x"])
+        split_arms(["bin", "-m", "x"])
 
 
 def test_windows_are_consecutive_slices_that_wrap() -> None:

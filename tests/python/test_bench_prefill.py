@@ -1,10 +1,12 @@
-"""tools/hip/bench_prefill.py in --quick mode against real servers on loopback: strata-server and,
+"""tools/bench/prefill in --quick mode against real servers on loopback: strata-server and,
 unchanged, upstream llama-server from the same pin; then --compare on the two runs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,10 @@ import pytest
 import servers
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
+BENCH = REPO / "tools" / "bench" / "prefill"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe.gguf"
 
 
 def serve(binary: Path, log: Path):
@@ -40,12 +42,12 @@ def runs(tmp_path_factory):
         log = tmp / f"{label}.log"
         proc, url = serve(binary, log)
         try:
-            res = bench("--model", "tiny", "--url", url, "--engine-log", str(log), "--label", label,
+            res = bench("--model", "tiny", "--url", url, "--engine-log", str(log), "--binary", str(binary), "--label", label,
                         "--output", str(tmp / f"{label}.json"), "--quick")
             assert res.returncode == 0, res.stderr
             out[label] = tmp / f"{label}.json"
-            bad = bench("--model", "tiny", "--url", url, "--engine-log", str(tmp / "empty.log"), "--label", label,
-                        "--output", str(tmp / "bad.json"), "--quick")
+            bad = bench("--model", "tiny", "--url", url, "--engine-log", str(tmp / "empty.log"), "--binary", str(binary),
+                        "--label", label, "--output", str(tmp / "bad.json"), "--quick")
             out[label + "-bad"] = bad
         finally:
             proc.terminate()
@@ -68,6 +70,12 @@ def test_a_run_records_every_request_on_both_servers(runs):
                 assert r["cache_n"] == 0, (label, r)
         sizes = [r["prompt_n"] for r in run["requests"] if r["kind"] == "fresh"]
         assert sizes[1] > 1.6 * sizes[0] and sizes[3] > 1.6 * sizes[2], sizes
+    # each run names its binary by content and version, strata-server also by commit
+    for label, binary in (("control", UPSTREAM), ("candidate", STRATA)):
+        b = by_label[label]["binary"]
+        assert b["sha256"] == hashlib.sha256(binary.read_bytes()).hexdigest() and b["version"], b
+    assert re.fullmatch(r"[0-9a-f]{12}", by_label["candidate"]["binary"]["commit"])
+    assert "commit" not in by_label["control"]["binary"]
     # the same prompts through the same template and tokenizer
     assert [r["prompt_n"] for r in by_label["control"]["requests"] if r["kind"] == "fresh"] == \
            [r["prompt_n"] for r in by_label["candidate"]["requests"] if r["kind"] == "fresh"]

@@ -4,17 +4,18 @@ and the comparison in tools/device/parity."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from strata_tools.device import parity
+
 REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / ".cache/models/tiny-qwen3moe-iq3.gguf"
-SERVER = REPO / "target/release/strata-server"
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools.device import parity  # noqa: E402
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 
 
 @pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")
@@ -24,11 +25,11 @@ def test_expert_profile_ranks_every_expert(tmp_path: Path) -> None:
     (corpus / "a.txt").write_text("The sailors sang about the sea and the storms. " * 20)
     (corpus / "b.txt").write_text("def add(a, b):\n    return a + b\n" * 20)
     out = tmp_path / "profile.json"
-    res = subprocess.run([sys.executable, str(REPO / "tools/expert-profile"), "--model", str(MODEL), "--corpus",
-                          str(corpus), "--out", str(out), "--n-predict", "4", "--", "-c", "2048"],
-                         capture_output=True, text=True, timeout=300)
+    res = profile("--server", str(SERVER), "--model", str(MODEL), "--corpus", str(corpus), "--out", str(out),
+                  "--n-predict", "4", "--", "-c", "2048")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 files" in res.stdout and "experts ranked" in res.stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["corpus", "profile.json", "profile.json.log"]
     prof = json.loads(out.read_text())
     assert prof["format"] == "strata-expert-profile" and prof["version"] == 1
     ranked = prof["ranked"]
@@ -37,10 +38,63 @@ def test_expert_profile_ranks_every_expert(tmp_path: Path) -> None:
     assert len({(e[0], e[1]) for e in ranked}) == len(ranked)
 
 
+def profile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools/expert-profile"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def one_line(res: subprocess.CompletedProcess) -> str:
+    """A failure's stderr, which must be one line of the tool's own, no traceback."""
+    assert res.returncode != 0, res.stdout
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("expert-profile: "), res.stderr
+    return lines[0]
+
+
+def fake_server(tmp_path: Path) -> tuple[Path, Path]:
+    """A server that only leaves a mark that it was started, and that mark."""
+    marker = tmp_path / "started"
+    server = tmp_path / "server"
+    server.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    server.chmod(0o755)
+    return server, marker
+
+
 def test_expert_profile_rejects_a_missing_corpus(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, str(REPO / "tools/expert-profile"), "--model", str(MODEL), "--corpus",
-                          str(tmp_path / "nope"), "--out", str(tmp_path / "p.json")], capture_output=True, text=True)
-    assert res.returncode != 0 and "no such corpus file or directory" in res.stderr
+    server, marker = fake_server(tmp_path)
+    res = profile("--server", str(server), "--model", str(server), "--corpus", str(tmp_path / "nope"), "--out",
+                  str(tmp_path / "p.json"))
+    assert "no such corpus file or directory" in one_line(res)
+    assert not marker.exists()
+
+
+@pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")
+def test_a_request_the_server_refuses_is_one_line_and_leaves_the_old_profile(tmp_path: Path) -> None:
+    corpus = tmp_path / "long.txt"
+    corpus.write_text("The sailors sang about the sea and the storms. " * 400)
+    out = tmp_path / "profile.json"
+    out.write_text('{"an": "older profile"}\n')
+    res = profile("--server", str(SERVER), "--model", str(MODEL), "--corpus", str(corpus), "--out", str(out), "--",
+                  "-c", "256")
+    line = one_line(res)
+    assert f"{corpus}: strata-server answered 400: " in line and "exceeds the available context size" in line, line
+    assert out.read_text() == '{"an": "older profile"}\n'
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["long.txt", "profile.json", "profile.json.log"]
+
+
+def test_a_missing_out_folder_is_named_before_the_server_starts(tmp_path: Path) -> None:
+    server, marker = fake_server(tmp_path)
+    (tmp_path / "corpus.txt").write_text("text")
+    res = profile("--server", str(server), "--model", str(server), "--corpus", str(tmp_path / "corpus.txt"), "--out",
+                  str(tmp_path / "missing" / "p.json"))
+    assert one_line(res) == f"expert-profile: the folder of --out does not exist: {tmp_path / 'missing'}"
+    assert not marker.exists()
+
+
+def test_help_shows_the_server_arguments_after_a_double_dash() -> None:
+    res = profile("--help")
+    assert res.returncode == 0
+    assert "--out PROFILE.json [options] [-- server args]" in res.stdout.splitlines()[0], res.stdout
 
 
 def answer(tokens: list[int], probs: list[list[tuple[int, float]]]) -> dict:

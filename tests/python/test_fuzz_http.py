@@ -3,14 +3,11 @@ parsed whatever their framing, the comparison sees what matters and the allow-li
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-
-from fuzz_http import cases, compare, wire  # noqa: E402
+from strata_tools.fuzz_http import cases, compare, wire
 
 
 def test_a_seed_gives_the_same_cases():

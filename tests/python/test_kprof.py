@@ -4,22 +4,19 @@ and the ncu command line it builds (no GPU here: the run itself is for the devic
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from servers import load_tool
+from strata_tools.device import kprof
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "device" / "kprof"
-SERVER = REPO / "target" / "release" / "strata-server"
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe-iq3.gguf"
-
-
-def tool():
-    return load_tool(TOOL)
+SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
 
 
 HEAD = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
@@ -34,13 +31,13 @@ def test_the_csv_gives_kernels_in_launch_order_in_microseconds():
     text = "\n".join(["==PROF== Connected to process 1", HEAD,
                       row(1, "void k_b<float, 2>(const float *, int)", "(4, 1, 1)", "2,500"),
                       row(0, "void rms_norm_f32<1024>(const float *, float *)", "(1, 1, 1)", "1.5", "usecond")])
-    k = tool().parse_ncu_csv(text)
+    k = kprof.parse_ncu_csv(text)
     assert [x["name"] for x in k] == ["rms_norm_f32<1024>", "k_b<float, 2>"]
     assert [x["us"] for x in k] == [1.5, 2.5]
 
 
 def test_decode_steps_are_the_repeated_tail_without_the_first():
-    t = tool()
+    t = kprof
     mk = lambda names: [{"name": n, "grid": "g", "block": "b", "us": 1.0 + i} for i, n in enumerate(names)]
     prompt = mk(["load", "p1", "p2", "mm", "out"])
     step = ["norm", "mm", "mm", "add", "out"]
@@ -55,10 +52,10 @@ def test_decode_steps_are_the_repeated_tail_without_the_first():
 
 
 def test_ncu_wraps_the_server_and_an_env_prefix_stays_in_front():
-    cmd = tool().profiled_command(["env", "A=1", "B=x=y", "srv", "-m", "m"], "ncu", Path("/o/a.csv"))
+    cmd = kprof.profiled_command(["env", "A=1", "B=x=y", "srv", "-m", "m"], "ncu", Path("/o/a.csv"))
     assert cmd[:3] == ["env", "A=1", "B=x=y"] and cmd[3] == "ncu"
     assert cmd[-3:] == ["srv", "-m", "m"] and "gpu__time_duration.sum" in cmd and "/o/a.csv" in cmd
-    assert tool().profiled_command(["srv"], "ncu", Path("x"))[0] == "ncu"
+    assert kprof.profiled_command(["srv"], "ncu", Path("x"))[0] == "ncu"
 
 
 FAKE_NCU = """#!/usr/bin/env python3

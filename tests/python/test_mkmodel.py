@@ -8,7 +8,6 @@ KV scanner.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,16 +17,12 @@ import numpy as np
 import pytest
 
 import servers
-from strata_tools import post_json, stop  # servers puts tools/ on sys.path
+from strata_tools import post_json, stop
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
-spec = importlib.util.spec_from_file_location("mkmodel", REPO / "tools" / "mkmodel.py")
-
 try:
-    mkmodel = importlib.util.module_from_spec(spec)
-    sys.modules["mkmodel"] = mkmodel
-    spec.loader.exec_module(mkmodel)
+    from strata_tools import mkmodel
 except (ImportError, FileNotFoundError) as e:  # no llama.cpp source tree with gguf-py
     pytest.skip(f"mkmodel unavailable: {e}", allow_module_level=True)
 

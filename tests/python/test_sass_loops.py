@@ -4,13 +4,7 @@ its layout)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "device" / "sass_loops.py"
-spec = importlib.util.spec_from_file_location("sass_loops", TOOL)
-sass_loops = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sass_loops)
+from strata_tools.device import sass_loops
 
 
 def sass(*ins: str) -> str:

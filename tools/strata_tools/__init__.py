@@ -1,18 +1,24 @@
-"""What the Python tools and tests share: a free loopback port, waiting for a server's /health,
-stopping it, JSON requests, strata-server's /metrics samples and its step trace, and the arms of
-a tools/device/decodediag directory.
+"""Strata's Python tools, one package: what they share (the repository's root, a free loopback
+port, waiting for a server's /health, stopping it, JSON requests, strata-server's /metrics
+samples, arms given as `NAME=BIN ARGS --- NAME=BIN ARGS`, an error answer's message, writing a
+result whole or not at all) here, each command in its own module.
 
-Scripts under tools/ put tools/ on sys.path (`sys.path.insert(0, str(TOOLS))`) and import this.
+The commands under tools/ are small wrappers that put tools/ on sys.path and call a module's
+main(); the tests import the modules (pyproject.toml puts tools/ on pytest's path).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
-import statistics
 import subprocess
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NotReady(Exception):
@@ -59,6 +65,26 @@ def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
         return json.load(r)
 
 
+def http_error_message(e: urllib.error.HTTPError) -> str:
+    """The message of an error answer: llama-server's {"error": {"message"}}, else its first line."""
+    body = e.read().decode(errors="replace")
+    try:
+        return str(json.loads(body)["error"]["message"]).splitlines()[0]
+    except (ValueError, KeyError, TypeError, IndexError):
+        return (body.strip().splitlines() or [e.reason or "no body"])[0][:300]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """path holds text or, if writing fails, what it held before: the text goes to a temporary
+    file beside it, renamed over it once written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def strata_metrics(url: str) -> dict[str, float]:
     """The strata:* samples of /metrics, keyed by name with labels."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
@@ -71,45 +97,18 @@ def strata_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def step_trace_medians(path) -> dict | None:
-    """The medians of the last line of a STRATA_STEP_TRACE file, in microseconds a decode step:
-    the llama_decode call, the wait for the device, the host's time between steps and the
-    sampler's and the expert tiers' bookkeeping's shares of it (tiers: None in traces from before it
-    was recorded); None without a file or a line."""
-    try:
-        lines = [json.loads(ln) for ln in open(path).read().splitlines() if ln.strip()]
-    except (OSError, json.JSONDecodeError):
-        return None
-    if not lines:
-        return None
-    last = lines[-1]
-    parts = {"call": "launch_us", "wait": "wait_us", "between": "host_us", "sampler": "sample_us", "tiers": "tiers_us"}
-    return {"steps": last.get("steps")} | {k: (last.get(v) or {}).get("median") for k, v in parts.items()}
-
-
-def decodediag_arms(out) -> list[dict]:
-    """The arms of a tools/device/decodediag output directory, in arms.json's order: "arm",
-    "command" (its argv), "step_us" (step_trace_medians of its trace, None without one) and either
-    "error" (no result) or "decode_tps" (each run's), "median", "vs_first" (the median over the
-    first arm's with a result) and "graphs_reused"; [] without arms.json."""
-    from pathlib import Path
-
-    out = Path(out)
-    try:
-        arms = json.loads((out / "arms.json").read_text())
-    except OSError:
-        return []
-    res: list[dict] = []
-    first = None
-    for name, command in arms.items():
-        entry: dict = {"arm": name, "command": command, "step_us": step_trace_medians(out / f"{name}.steps.jsonl")}
-        try:
-            r = json.loads((out / f"{name}.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            res.append(entry | {"error": f"no result: {e}"})
+def split_arms(argv: list[str], tool: str = "device") -> list[tuple[str, list[str]]]:
+    """`NAME=BIN ARGS --- NAME=BIN ARGS` into (name, command) pairs, in order."""
+    arms: list[tuple[str, list[str]]] = []
+    cur: list[str] = []
+    for a in argv + ["---"]:
+        if a != "---":
+            cur.append(a)
             continue
-        tps = [x["predicted_per_second"] for x in r["runs"]]
-        med = statistics.median(tps)
-        first = first or med
-        res.append(entry | {"decode_tps": tps, "median": med, "vs_first": med / first, "graphs_reused": r.get("graphs_reused")})
-    return res
+        if cur:
+            name, _, first = cur[0].partition("=")
+            if not name or not first:
+                raise SystemExit(f"{tool}: an arm starts NAME=BIN, not {cur[0]!r}")
+            arms.append((name, [first] + cur[1:]))
+        cur = []
+    return arms

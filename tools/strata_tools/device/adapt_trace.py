@@ -8,7 +8,7 @@ Each arm (a strata-server command line with `--metrics`; `env VAR=VALUE BIN` wor
 alone. For window i the prompt is a slice of F (each window its own, cycling through the file):
 one request evaluates it (n_predict 0), a second decodes STEPS tokens after it from the cached
 prompt, and the `strata:expert_selections_total` counters read around that second request give
-the hot tier's share of the window's decode selections. DIR/trace.json holds every window
+the hot tier's share of the window's decode selections. DIR/trace.json holds each arm's binary (sha256, --version line) and every window
 (step, hit rate, decode t/s, swaps and the host's microseconds making them so far),
 DIR/hit-rate.png plots hit rate and decode t/s against decode steps for all arms.
 """
@@ -21,8 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, stop, strata_metrics, wait_healthy
-from strata_tools.device import split_arms
+from strata_tools import NotReady, free_port, post_json, provenance, split_arms, stop, strata_metrics, wait_healthy
 
 TIERS = ("vram", "ram", "mmap")
 
@@ -112,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = windows(Path(args.prompt_file).read_text(errors="replace"), args.windows, args.prompt_chars)
-    trace = {"steps": args.steps, "windows": args.windows, "model": args.model, "commands": {n: c for n, c in arms}, "arms": {}}
+    trace = {"steps": args.steps, "windows": args.windows, "model": args.model, "commands": {n: c for n, c in arms},
+             "binaries": {n: provenance.binary(provenance.command_binary(c)) for n, c in arms}, "arms": {}}
     for name, cmd in arms:
         trace["arms"][name] = run_arm(name, cmd, prompts, args.steps, out)
         (out / "trace.json").write_text(json.dumps(trace, indent=1))

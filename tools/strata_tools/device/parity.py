@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, stop, wait_healthy
+from strata_tools import NotReady, free_port, post_json, provenance, stop, wait_healthy
 
 
 class Server:
@@ -164,7 +164,8 @@ def main() -> int:
     # The prompt is pin source text: the results keep its size and hash, not the text.
     text = {"prompt_file": args.prompt_file, "prompt_chars": len(prompt), "prompt_sha256": hashlib.sha256(prompt.encode()).hexdigest()}
     a, b = ({k: v for k, v in r.items() if k != "prompt"} for r in (a, b))
-    (out / "parity.json").write_text(json.dumps({"commands": cmds, "prompt": text, "verdict": verdict, "a": a, "b": b, "b_forced": steps},
+    bins = {k: provenance.binary(provenance.command_binary(c)) for k, c in cmds.items()}
+    (out / "parity.json").write_text(json.dumps({"commands": cmds, "binaries": bins, "prompt": text, "verdict": verdict, "a": a, "b": b, "b_forced": steps},
                                                 indent=1))
     print("parity: " + json.dumps(verdict), flush=True)
     return 0 if verdict["pass"] else 1

@@ -1,18 +1,18 @@
-#!/usr/bin/env python3
 """Prefill and decode speed of one request on each of several server commands, in turn: a check
-that fits a short device call. tools/device/ab is the benchmark; this is not a substitute.
+that fits a short device call. tools/bench/ab is the benchmark; this is not a substitute.
 
   probe --prompt-file P [--n 128] --out DIR -- LABEL CMD ARGS... --- LABEL CMD ARGS...
 
 Each server gets a short warm-up request, then the prompt without the prompt cache; the server's
-own timings (prompt and predicted tokens per second) go to DIR/probe.json and stdout."""
+own timings (prompt and predicted tokens per second) go to DIR/probe.json, with each binary's sha256
+and --version line, and stdout."""
 import argparse
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strata_tools.device import parity  # noqa: E402
+from strata_tools import provenance
+from strata_tools.device import parity
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
             s.post("/completion", {"prompt": prompt[:200], "n_predict": 8, "cache_prompt": False})
             r = s.post("/completion", {"prompt": prompt, "n_predict": a.n, "cache_prompt": False, "ignore_eos": True, "temperature": 0})
         t = r["timings"]
-        row = {"label": label, "cmd": cmd, "prompt_n": t["prompt_n"], "prefill_tps": t["prompt_per_second"],
+        row = {"label": label, "cmd": cmd, "binary": provenance.binary(provenance.command_binary(cmd)), "prompt_n": t["prompt_n"], "prefill_tps": t["prompt_per_second"],
                "predicted_n": t["predicted_n"], "decode_tps": t["predicted_per_second"]}
         print(f"{label:12s} prompt {row['prompt_n']:6d}  prefill {row['prefill_tps']:8.1f} t/s  "
               f"decode {row['predicted_n']:4d} at {row['decode_tps']:6.1f} t/s", flush=True)

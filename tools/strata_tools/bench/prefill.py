@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Prefill/decode benchmark of one llama-server-compatible server (upstream llama-server or
 strata-server), in the fixed request order Strata's A/B results use.
 
-    bench_prefill.py --model NAME --url http://127.0.0.1:8080 --engine-log LOG \\
-                     --label LABEL --output OUT.json [--quick]
-    bench_prefill.py --compare CONTROL.json CANDIDATE.json [...] [--chart OUT.png]
+    tools/bench/prefill --model NAME --url http://127.0.0.1:8080 --engine-log LOG \\
+                        --binary SERVER --label LABEL --output OUT.json [--quick]
+    tools/bench/prefill --compare CONTROL.json CANDIDATE.json [...] [--chart OUT.png]
 
 One run sends, on one idle server: a small warmup, then fresh prompts of 140, 280, 140 and 280
 generated functions (about 4.2k and 8.8k tokens with a Qwen-class tokenizer), each followed by
@@ -19,6 +18,9 @@ one completed timing record there ("prompt eval time", "eval time", "total time"
 its prompt and generated token counts must match the response, or the run fails. Cancelled
 requests print no such record, so no cancelled line can be taken as evidence.
 
+--binary names the server's executable: the run records its sha256 and the first line of its
+--version (and strata-server's commit from it).
+
 --quick uses small prompts and a 16-token cap, for CPU smoke tests.
 """
 
@@ -32,6 +34,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from strata_tools import provenance
 
 SAMPLING = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "seed": 42}
 FULL = {"warmup": 8, "fresh": [140, 280, 140, 280], "max_tokens": 128}
@@ -66,7 +70,7 @@ def post(url: str, body: dict, timeout: float = 3600.0) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
     except urllib.error.HTTPError as e:
-        raise SystemExit(f"bench_prefill: {url} answered {e.code}: {e.read().decode(errors='replace')}")
+        raise SystemExit(f"prefill: {url} answered {e.code}: {e.read().decode(errors='replace')}")
 
 
 def get(url: str) -> dict:
@@ -130,14 +134,14 @@ def run_request(args, log: EngineLog, kind: str, n_functions: int, messages: lis
     choice = res["choices"][0]
     recs = log.new_records()
     if len(recs) != 1:
-        raise SystemExit(f"bench_prefill: {kind} request added {len(recs)} completed timing records to "
+        raise SystemExit(f"prefill: {kind} request added {len(recs)} completed timing records to "
                          f"{log.path}, expected exactly 1 (is the log unbuffered and the server idle?)")
     rec = recs[0]
     prompt_n = t.get("prompt_n")
     if rec["prompt_n"] != prompt_n or rec["eval_n"] != t.get("predicted_n"):
-        raise SystemExit(f"bench_prefill: engine log record {rec} does not match the response timings {t}")
+        raise SystemExit(f"prefill: engine log record {rec} does not match the response timings {t}")
     if fresh and t.get("cache_n", 0) != 0:
-        raise SystemExit(f"bench_prefill: fresh prompt reused {t.get('cache_n')} KV tokens, expected 0")
+        raise SystemExit(f"prefill: fresh prompt reused {t.get('cache_n')} KV tokens, expected 0")
     out = {
         "kind": kind,
         "n_functions": n_functions,
@@ -160,12 +164,13 @@ def run(args) -> dict:
     shape = QUICK if args.quick else FULL
     log_path = Path(args.engine_log)
     if not log_path.exists():
-        raise SystemExit(f"bench_prefill: engine log {log_path} does not exist")
+        raise SystemExit(f"prefill: engine log {log_path} does not exist")
     base = args.url.rstrip("/")
     health = get(base + "/health")
     if health.get("status") != "ok":
-        raise SystemExit(f"bench_prefill: server not ready: {health}")
+        raise SystemExit(f"prefill: server not ready: {health}")
     props = get(base + "/props")
+    binary = provenance.binary(args.binary)
     log = EngineLog(log_path)
     requests = []
     conv = [{"role": "user", "content": user_prompt(shape["warmup"], 0)}]
@@ -189,6 +194,7 @@ def run(args) -> dict:
         "server": {"build_info": props.get("build_info"), "model_path": props.get("model_path"),
                    "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
                    "total_slots": props.get("total_slots")},
+        "binary": binary,
         "requests": requests,
     }
 
@@ -203,7 +209,7 @@ def compare(paths: list[str], chart: str | None) -> str:
     n_rows = len(fresh_rows(base))
     for r in runs:
         if len(fresh_rows(r)) != n_rows:
-            raise SystemExit(f"bench_prefill: {r['label']} has {len(fresh_rows(r))} fresh requests, {base['label']} {n_rows}")
+            raise SystemExit(f"prefill: {r['label']} has {len(fresh_rows(r))} fresh requests, {base['label']} {n_rows}")
     head = ["Fresh request, execution order", f"{base['label']} prefill t/s"]
     for r in rest:
         head += [f"{r['label']} prefill t/s", f"{r['label']} / {base['label']}", f"{r['label']} output t/s",
@@ -232,7 +238,7 @@ def compare(paths: list[str], chart: str | None) -> str:
         try:
             write_chart(runs, chart)
         except ImportError:
-            print("bench_prefill: no matplotlib here, chart skipped (run --compare again where it is)", file=sys.stderr)
+            print("prefill: no matplotlib here, chart skipped (run --compare again where it is)", file=sys.stderr)
     return table
 
 
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model name sent with each request")
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--engine-log", help="the server's unbuffered stderr log")
+    ap.add_argument("--binary", help="the server's executable (its sha256 and --version go into the result)")
     ap.add_argument("--label", help="name of this arm (control, candidate, ...)")
     ap.add_argument("--output", help="where to write the run's JSON")
     ap.add_argument("--quick", action="store_true", help="small prompts and a 16-token cap (CPU smoke test)")
@@ -270,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print(compare(args.compare, args.chart))
         return 0
-    missing = [f for f in ("model", "engine_log", "label", "output") if getattr(args, f) is None]
+    missing = [f for f in ("model", "engine_log", "binary", "label", "output") if getattr(args, f) is None]
     if missing:
         ap.error("a run needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    if not Path(args.binary).is_file():
+        raise SystemExit(f"prefill: no such server binary: {args.binary}")
     result = run(args)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     for r in result["requests"]:

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Decode speed of the cold-expert CPU kernels against llama.cpp's own CPU mul_mat_id, on one
 machine, same model, same threads: one arm without expert tiers (every expert through ggml's
 mul_mat_id on the CPU), one with tiers and an empty hot tier (`--expert-cache 0`: every selected
 expert goes through Strata's kernels). Both run on the CPU, so the ratio is the kernels'
 efficiency, not a placement gain.
 
-    tools/bench-cold-experts --model M.gguf --out OUT.json [--server BIN] [-- server args]
+    tools/bench/cold-experts --model M.gguf --out OUT.json [--server BIN] [-- server args]
 """
 import argparse
 import json
@@ -14,9 +13,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools import NotReady, free_port, wait_healthy  # noqa: E402
+from strata_tools import REPO, NotReady, free_port, provenance, wait_healthy
+
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
@@ -35,7 +33,7 @@ def arm(label: str, cmd: list[str], n_predict: int, reps: int, log: Path) -> dic
             try:
                 wait_healthy(url, proc, timeout=600)
             except NotReady as e:
-                raise SystemExit(f"bench-cold-experts: {label} {e}; see {log}")
+                raise SystemExit(f"cold-experts: {label} {e}; see {log}")
             body = {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
             rates = []
             for i in range(reps + 1):
@@ -77,7 +75,8 @@ def main() -> int:
                     args.reps, out.with_suffix(".b.log")))
     ratio = runs[1]["median_decode_tps"] / runs[0]["median_decode_tps"]
     print(f"ratio (strata cold kernels / llama.cpp mul_mat_id, median decode): {ratio:.3f}")
-    out.write_text(json.dumps({"model": args.model, "runs": runs, "ratio": ratio}, indent=1))
+    out.write_text(json.dumps({"model": args.model, "binary": provenance.binary(args.server), "runs": runs, "ratio": ratio},
+                              indent=1))
     return 0
 
 

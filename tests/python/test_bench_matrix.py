@@ -1,5 +1,5 @@
-"""tools/device/matrix: the rows of a device call as the expert issues' matrix.json wants them,
-from row directories laid out as tools/device/run-ring and tools/device/ab leave them."""
+"""tools/bench/matrix: the rows of a device call as the expert issues' matrix.json wants them,
+from row directories laid out as tools/device/run-ring and tools/bench/ab leave them."""
 
 from __future__ import annotations
 
@@ -9,23 +9,30 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MATRIX = REPO / "tools" / "device" / "matrix"
+MATRIX = REPO / "tools" / "bench" / "matrix"
 KEYS = {"budget_gib", "skew", "ubatch", "hit_rate", "prefill_ratio_min", "prefill_ratio_max", "decode_ratio_min",
         "decode_ratio_max", "prefill_vs_allgpu", "decode_vs_allgpu", "h2d_gib_per_1k_tokens", "commit"}
 
 
-def requests(prefill: list[float], decode: list[float]) -> dict:
+# what tools/bench/prefill records of the binary an arm ran
+UPSTREAM_BIN = {"path": "/x/llama-server", "sha256": "aa" * 32, "version": "version: 0.6.0-dev (build 11434, commit unknown)"}
+STRATA_BIN = {"path": "/x/strata-server", "sha256": "bb" * 32, "version": "strata-server 0.1.0 (commit 0123456789ab)",
+              "commit": "0123456789ab"}
+
+
+def requests(prefill: list[float], decode: list[float], binary: dict | None = None) -> dict:
     fresh = [{"kind": "fresh", "prefill_tps": p, "decode_tps": d} for p, d in zip(prefill, decode)]
-    return {"requests": [{"kind": "warmup", "prefill_tps": 1.0, "decode_tps": 1.0}, *fresh,
-                         {"kind": "follow-up", "prefill_tps": 1.0, "decode_tps": 1.0}]}
+    out = {"requests": [{"kind": "warmup", "prefill_tps": 1.0, "decode_tps": 1.0}, *fresh,
+                        {"kind": "follow-up", "prefill_tps": 1.0, "decode_tps": 1.0}]}
+    return out | ({"binary": binary} if binary else {})
 
 
-def row_dir(base: Path, name: str, control, candidate, ceiling=None, metrics: str | None = None) -> None:
+def row_dir(base: Path, name: str, control, candidate, ceiling=None, metrics: str | None = None, binaries: bool = True) -> None:
     d = base / name
     d.mkdir(parents=True)
-    (d / "control.json").write_text(json.dumps(requests(*control)))
+    (d / "control.json").write_text(json.dumps(requests(*control, UPSTREAM_BIN if binaries else None)))
     if candidate is not None:
-        (d / "candidate.json").write_text(json.dumps(requests(*candidate)))
+        (d / "candidate.json").write_text(json.dumps(requests(*candidate, STRATA_BIN if binaries else None)))
     if ceiling is not None:
         (d / "ceiling.json").write_text(json.dumps(requests(*ceiling)))
     if metrics is not None:
@@ -52,16 +59,17 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
              {"steps": 256, "launch_us": {"median": 800.0, "mean": 850.0}, "wait_us": {"median": 5200.0, "mean": 5300.0},
               "host_us": {"median": 110.0, "mean": 115.0}, "sample_us": {"median": 80.0, "mean": 85.0}}]
     (call / "row-24-0.7-4096" / "candidate.steps.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
-    row_dir(call, "row-12-0.7-4096+minp", ([100] * 4, [10] * 4), ([120, 140, 160, 180], [20] * 4))
+    row_dir(call, "row-12-0.7-4096+minp", ([100] * 4, [10] * 4), ([120, 140, 160, 180], [20] * 4), binaries=False)
     row_dir(call, "row-12-0.7-512-cpu+waves", ([100] * 4, [10] * 4), None)
-    res = subprocess.run([sys.executable, str(MATRIX), "--commit", "abc1234", str(call)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, str(MATRIX), str(call)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     rows = {r["dir"]: r for r in json.loads(res.stdout)}
     assert set(rows) == {"row-24-0.7-4096", "row-12-0.7-4096+minp", "row-12-0.7-512-cpu+waves"}
 
     full = rows["row-24-0.7-4096"]
     assert KEYS <= set(full), KEYS - set(full)
-    assert (full["budget_gib"], full["skew"], full["ubatch"], full["arm"], full["commit"]) == (24.0, 0.7, 4096, "profile", "abc1234")
+    assert (full["budget_gib"], full["skew"], full["ubatch"], full["arm"], full["commit"]) == (24.0, 0.7, 4096, "profile", "0123456789ab")
+    assert full["binaries"] == {"control": UPSTREAM_BIN, "candidate": STRATA_BIN}
     assert (full["prefill_ratio_min"], full["prefill_ratio_max"]) == (1.3, 1.5)
     assert (full["decode_ratio_min"], full["decode_ratio_max"]) == (1.2, 1.5)
     # medians over the four fresh requests of candidate / ceiling: (0.75, 0.75, 0.65, 0.7) and (0.75, 0.6, 0.75, 0.625)
@@ -74,6 +82,8 @@ def test_rows_carry_the_ratios_the_hit_rate_and_the_copies(tmp_path):
 
     minp = rows["row-12-0.7-4096+minp"]
     assert minp["arm"] == "minp"
+    # results from before binaries were recorded: no commit, never a typed one
+    assert minp["commit"] is None and minp["binaries"] == {}
     # the ceiling of the same skew and batch size, measured in another row of the call
     assert minp["ceiling_from"] == "row-24-0.7-4096"
     assert minp["prefill_vs_allgpu"] == 0.525
@@ -93,7 +103,7 @@ def test_gemm_rows_compare_the_table_with_the_control_and_with_itself_off(tmp_pa
             metrics='strata:gemm_matmuls_total{path="default"} 7\nstrata:gemm_matmuls_total{path="blaslt"} 3\n')
     row_dir(call2, "gemm-m80-on", ([100] * 4, [10] * 4), None)
     (call2 / "gemm-m80-on.txt").write_text("a log beside the directory, not a row")
-    res = subprocess.run([sys.executable, str(MATRIX), "--commit", "abc1234", str(call1), str(call2)],
+    res = subprocess.run([sys.executable, str(MATRIX), str(call1), str(call2)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     rows = {r["dir"]: r for r in json.loads(res.stdout)}
@@ -121,22 +131,25 @@ def test_with_decode_adds_the_decodediag_arms_and_the_kernel_totals(tmp_path):
     (diag / "allgpu.json").write_text(json.dumps({"runs": [{"predicted_per_second": 200.0}, {"predicted_per_second": 190.0}],
                                                   "graphs_reused": 500}))
     (diag / "tiered.json").write_text(json.dumps({"runs": [{"predicted_per_second": 170.0}, {"predicted_per_second": 160.0},
-                                                           {"predicted_per_second": 180.0}], "graphs_reused": 499}))
+                                                           {"predicted_per_second": 180.0}], "graphs_reused": 499,
+                                                  "binary": STRATA_BIN | {"commit": "ba9876543210"}}))
     kprof = call / "kprof"
     kprof.mkdir()
     (kprof / "arms.json").write_text("{}")
     (kprof / "allgpu.json").write_text(json.dumps({"steps": 10, "kernels_per_step": 1110, "gpu_us_per_step": 6939.1,
                                                    "by_kernel": []}))
-    res = subprocess.run([sys.executable, str(MATRIX), "--with-decode", "--commit", "abc1234", str(call)],
+    res = subprocess.run([sys.executable, str(MATRIX), "--with-decode", str(call)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["strata_commit"] == "abc1234"
+    # the rows' candidates and the decode arms ran two builds
+    assert out["strata_commits"] == ["0123456789ab", "ba9876543210"]
     assert [r["dir"] for r in out["rows"]] == ["row-24-0.7-4096"]
     arms = {a["arm"]: a for a in out["decode"]}
     assert arms["allgpu"]["decode_tps_median"] == 195.0 and arms["allgpu"]["vs_first"] == 1.0
     assert arms["tiered"]["decode_tps"] == [170.0, 160.0, 180.0]
     assert arms["tiered"]["vs_first"] == round(170.0 / 195.0, 3)
     assert arms["tiered"]["command"] == "strata-server --resident-experts"
+    assert arms["tiered"]["binary"]["commit"] == "ba9876543210" and arms["allgpu"]["binary"] is None
     assert arms["broken"]["error"].startswith("no result")
     assert out["kprof"] == {"call2": {"allgpu": {"steps": 10, "kernels_per_step": 1110, "gpu_us_per_step": 6939.1}}}

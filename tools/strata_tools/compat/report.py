@@ -5,6 +5,9 @@ import datetime
 import platform
 import xml.etree.ElementTree as ET
 from collections import Counter
+from pathlib import Path
+
+from strata_tools import REPO, provenance
 
 ORDER = ["passed", "failed", "error", "skipped"]
 
@@ -23,11 +26,24 @@ def results(path):
     return out
 
 
+def binary_line(b: dict) -> str:
+    """`path` (from the repository's root where it is inside), its --version line, its commit
+    (strata-server) and sha256, in one Markdown line."""
+    path = Path(b["path"])
+    path = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    if "error" in b:
+        return f"`{path}` ({b['error']})"
+    commit = f", commit `{b['commit']}`" if b.get("commit") else ""
+    return f"`{path}`: `{b['version']}`{commit}, sha256 `{b['sha256']}`"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("upstream")
     ap.add_argument("strata")
     ap.add_argument("--command", default="tools/compat/run")
+    ap.add_argument("--upstream-binary", help="the llama-server the upstream run used (its sha256 and --version go in)")
+    ap.add_argument("--strata-binary", help="the strata-server the strata run used (its commit, sha256 and --version go in)")
     ap.add_argument("--retry", help="JUnit XML of a second strata-server run of the first run's regressions")
     ap.add_argument("--regressions", help="write the ids of upstream passes strata-server failed, one per line")
     ap.add_argument("--check", action="store_true", help="exit 1 if any upstream pass is not a strata-server pass")
@@ -48,13 +64,11 @@ def main():
 
     print("# Compatibility: the pin's `tools/server/tests` against both servers\n")
     print(f"- command: `{a.command}`")
-    import subprocess
-    commit = subprocess.run(["git", "-C", str(__import__("pathlib").Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    if commit:
-        print(f"- strata-server built from commit `{commit}`")
+    for name, path in (("upstream llama-server", a.upstream_binary), ("strata-server", a.strata_binary)):
+        if path:
+            print(f"- {name}: {binary_line(provenance.binary(path))}")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; host: {platform.machine()} {platform.node()}")
-    print("- models: the presets are mapped to local files by `tools/compat/strata_compat.py`;")
+    print("- models: the presets are mapped to local files by `tools/strata_tools/compat/plugin.py`;")
     print("  a test that would download anything is skipped with `needs network`.\n")
     print("| result | upstream llama-server | strata-server |\n|---|---|---|")
     for k in ORDER + ["not run"]:

@@ -1,4 +1,4 @@
-"""tools/device/ab on the CPU: the --n-cpu-moe arithmetic from a real GGUF's tensor sizes, and a
+"""tools/bench/ab on the CPU: the --n-cpu-moe arithmetic from a real GGUF's tensor sizes, and a
 --quick A/B of upstream llama-server against strata-server (one arm at a time, compare table,
 chart)."""
 
@@ -13,14 +13,14 @@ import pytest
 
 import servers
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-from strata_tools.device import ab as ab_tool  # noqa: E402
+from strata_tools.bench import ab as ab_tool
 
-AB = REPO / "tools" / "device" / "ab"
+REPO = Path(__file__).resolve().parents[2]
+
+AB = REPO / "tools" / "bench" / "ab"
 STRATA = Path(os.environ.get("STRATA_SERVER", REPO / "target" / "release" / "strata-server"))
 UPSTREAM = Path(os.environ.get("STRATA_UPSTREAM_SERVER", REPO / "target" / "upstream" / "bin" / "llama-server"))
-MODEL = REPO / ".cache" / "models" / "tiny-qwen3moe.gguf"
+MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe.gguf"
 
 
 def ab(*args: str) -> subprocess.CompletedProcess:

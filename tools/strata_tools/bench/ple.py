@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """PLE I/O benchmark: one model, the table in RAM (--ple-mode ram), mapped (mmap: the pin's
 --lazy-mode on) and read from the file by Strata's direct-I/O readers (ssd).
 
@@ -10,13 +9,14 @@ are the weights and the warm-up's rows, which the prompt does not need), so the 
 request's rows come from storage for the mapping arm and for the pool. Each arm runs that cold
 request (prompt + decode) and a warm one (the same prompt again, no prompt cache), and records prefill and decode t/s from the server's timings, the server's RSS after the
 requests, and bytes it read from storage (/proc/PID/io read_bytes) per prompt token and per
-generated token. Writes matrix.json and a Markdown table.
+generated token. Writes matrix.json (with the server binary's sha256, --version line and commit)
+and a Markdown table.
 
 With --repeat N the three arms run N rounds, each round in another order (rotated), and the
 table gives per arm the median and range over the rounds, and the ratios' medians over the
 rounds (each round's arms ran back to back), for machines whose speed drifts between runs.
 
-  tools/bench_ple.py MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
+  tools/bench/ple MODEL --out DIR [--prompt-tokens 2048] [--predict 128] [--threads N]
                      [--repeat N] [--ssd-cache-mib N] [--warmup-tokens N] [--server PATH]
                      [-- more server arguments]
 
@@ -35,10 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strata_tools import free_port, post_json, stop, wait_healthy  # noqa: E402
+from strata_tools import REPO, free_port, post_json, provenance, stop, wait_healthy
 
-REPO = Path(__file__).resolve().parent.parent
 SERVER = REPO / "target/release/strata-server"
 MODES = ("ram", "mmap", "ssd")
 
@@ -179,7 +177,8 @@ def main() -> int:
     size = args.model.stat().st_size
     meta = {"model": str(args.model), "model_bytes": size, "machine": platform.node(), "cpus": os.cpu_count(),
             "prompt_tokens": args.prompt_tokens, "predict": args.predict, "threads": args.threads, "repeat": args.repeat,
-            "ssd_cache_mib": args.ssd_cache_mib, "server": str(args.server), "server_args": server_args,
+            "ssd_cache_mib": args.ssd_cache_mib, "server": str(args.server), "binary": provenance.binary(args.server),
+            "server_args": server_args,
             "cache_drop": "posix_fadvise(POSIX_FADV_DONTNEED) on the model file before each arm and after its warm-up request",
             "warmup_tokens": args.warmup_tokens}
     out = {"meta": meta, "rows": rows}

@@ -1,21 +1,25 @@
-#!/usr/bin/env python3
 """The matrix of tools/device/run-ring rows: one object per row directory
 (row-GIB-SKEW-UB[-DECODE][+ARM], DECODE naming the candidate's STRATA_COLD_DECODE, ARM its
 residency arm: profile (the default), adapt (the profile and --adapt-every), noprofile (only
 --adapt-every), onepass, waves, paced, minp, lend, table or chains (tools/device/run-ring says what each
-sets); made by tools/device/ab) with the ratios of the candidate to the control and to the
+sets); made by tools/bench/ab) with the ratios of the candidate to the control and to the
 all-GPU ceiling measured in the same device call.
 
-    tools/device/matrix --commit SHA DIR... > matrix.json
+    tools/bench/matrix DIR... > matrix.json
 
+Each row names the binaries its arms ran, as tools/bench/prefill recorded them in the arms'
+results ("binaries": control and candidate, each with its sha256 and --version line), and
+"commit": the candidate strata-server's, from its --version (null for results that predate that
+record).
 A row whose ceiling arm ran in another row of the same call (same skew and batch size) takes it
 from there. Rows where an arm has no result are listed with "error". A candidate that wrote a
 step trace (candidate.steps.jsonl, STRATA_STEP_TRACE) adds its medians as candidate_step_us.
 
 With --with-decode the output is an object: "rows" (the above), "decode" (each
 decodediag/ directory's arms: decode t/s per run, their median, the ratio to the first arm's
-median, the command, and the step trace's medians where strata-server wrote one) and "kprof"
-(each kprof/ directory's per-step kernel totals by arm).
+median, the command, its binary, and the step trace's medians where strata-server wrote one),
+"kprof" (each kprof/ directory's per-step kernel totals by arm) and "strata_commits" (the distinct
+commits of the strata-server binaries the rows and arms ran).
 
 The GEMM table's rows (gemm-MODEL-on and gemm-MODEL-off: everything on the GPU, the candidate
 with STRATA_HIPBLASLT_TUNING and without) follow, each with its ratio to the control and, for
@@ -31,8 +35,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strata_tools import decodediag_arms, step_trace_medians  # noqa: E402
+from strata_tools.bench import decodediag_arms, step_trace_medians
 
 GIB = 1024 ** 3
 ROW = re.compile(r"row-([\d.]+)-([\d.]+)-(\d+)(?:-([a-z]+))?(?:\+([a-z]+))?")
@@ -41,6 +44,19 @@ GEMM = re.compile(r"gemm-(.+)-(on|off)")
 
 def fresh(path: Path) -> list[dict]:
     return [r for r in json.loads(path.read_text())["requests"] if r["kind"] == "fresh"]
+
+
+def binaries(d: Path) -> dict:
+    """The row's "commit" (its candidate's) and "binaries" (each arm's), from the arms' results."""
+    found = {}
+    for arm in ("control", "candidate"):
+        try:
+            b = json.loads((d / f"{arm}.json").read_text()).get("binary")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if b:
+            found[arm] = b
+    return {"commit": found.get("candidate", {}).get("commit"), "binaries": found}
 
 
 def metrics(path: Path) -> dict[str, float]:
@@ -56,10 +72,10 @@ def metrics(path: Path) -> dict[str, float]:
     return out
 
 
-def row(d: Path, ceilings: dict[tuple[str, str], Path], commit: str) -> dict:
+def row(d: Path, ceilings: dict[tuple[str, str], Path]) -> dict:
     m = ROW.fullmatch(d.name)
     gib, skew, ub = m.group(1), m.group(2), m.group(3)
-    out = {"budget_gib": float(gib), "skew": float(skew), "ubatch": int(ub), "commit": commit, "dir": d.name}
+    out = {"budget_gib": float(gib), "skew": float(skew), "ubatch": int(ub), "dir": d.name} | binaries(d)
     if m.group(4):
         out["cold_decode"] = m.group(4)
     out["arm"] = m.group(5) or "profile"
@@ -101,9 +117,9 @@ def row(d: Path, ceilings: dict[tuple[str, str], Path], commit: str) -> dict:
     return out
 
 
-def gemm_row(d: Path, dirs: dict[str, Path], commit: str) -> dict:
+def gemm_row(d: Path, dirs: dict[str, Path]) -> dict:
     model, table = GEMM.fullmatch(d.name).groups()
-    out = {"kind": "gemm", "model": model, "table": table, "commit": commit, "dir": d.name}
+    out = {"kind": "gemm", "model": model, "table": table, "dir": d.name} | binaries(d)
     try:
         ctl, cand = fresh(d / "control.json"), fresh(d / "candidate.json")
     except (OSError, KeyError, json.JSONDecodeError) as e:
@@ -129,7 +145,7 @@ def gemm_row(d: Path, dirs: dict[str, Path], commit: str) -> dict:
 def decode_arms(call: Path) -> list[dict]:
     out: list[dict] = []
     for a in decodediag_arms(call / "decodediag"):
-        entry: dict = {"call": call.name, "arm": a["arm"], "command": " ".join(a["command"])}
+        entry: dict = {"call": call.name, "arm": a["arm"], "command": " ".join(a["command"]), "binary": a.get("binary")}
         if "error" in a:
             out.append(entry | {"error": a["error"]})
             continue
@@ -156,7 +172,6 @@ def kprof_arms(call: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--commit", required=True)
     ap.add_argument("--with-decode", action="store_true", help="an object with the decodediag and kprof arms too")
     ap.add_argument("dirs", nargs="+", help="call output directories holding row-* (and gemm-*) directories")
     args = ap.parse_args(argv)
@@ -168,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
             ceilings[(m.group(2), m.group(3))] = d / "ceiling.json"
     gemm = sorted(d for base in args.dirs for d in Path(base).glob("gemm-*") if d.is_dir() and GEMM.fullmatch(d.name))
     by_name = {d.name: d for d in gemm}
-    out = [row(d, ceilings, args.commit) for d in rows] + [gemm_row(d, by_name, args.commit) for d in gemm]
+    out = [row(d, ceilings) for d in rows] + [gemm_row(d, by_name) for d in gemm]
     if args.with_decode:
         calls = [Path(b) for b in args.dirs]
-        out = {"strata_commit": args.commit, "rows": out,
-               "decode": [a for c in calls if (c / "decodediag").is_dir() for a in decode_arms(c)],
+        decode = [a for c in calls if (c / "decodediag").is_dir() for a in decode_arms(c)]
+        commits = {r["commit"] for r in out} | {(a["binary"] or {}).get("commit") for a in decode}
+        out = {"strata_commits": sorted(c for c in commits if c), "rows": out, "decode": decode,
                "kprof": {c.name: k for c in calls if (k := kprof_arms(c))}}
     json.dump(out, sys.stdout, indent=1)
     print()

@@ -1,9 +1,9 @@
 """A/B run: upstream llama-server (control) against strata-server (candidate), one at a time on
-one idle machine, each measured by tools/hip/bench_prefill.py; prints the compare table last.
+one idle machine, each measured by tools/bench/prefill; prints the compare table last.
 
-    tools/device/ab --control BIN --candidate BIN --model GGUF --out DIR
+    tools/bench/ab --control BIN --candidate BIN --model GGUF --out DIR
                     [--vram-gib G] [--ctx N] [--quick] [--ceiling] [-- EXTRA SERVER ARGS]
-    tools/device/ab --plan GGUF --vram-gib G [--ctx N]
+    tools/bench/ab --plan GGUF --vram-gib G [--ctx N]
 
 Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, benchmarked, and
 stopped before the next starts; strata-server also writes the host's time around its decode
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import struct
 import subprocess
 import sys
 import time
@@ -31,70 +30,12 @@ import urllib.request
 from pathlib import Path
 
 from strata_tools import NotReady, wait_healthy
+from strata_tools.bench import prefill
+from strata_tools.gguf_header import GGUFError, read_gguf
 
-REPO = Path(__file__).resolve().parents[3]
-BENCH = REPO / "tools" / "hip" / "bench_prefill.py"
 GIB = 1024 ** 3
 # Compute buffers and CUDA context the user leaves room for on top of weights and KV cache.
 HEADROOM_GIB = 1.5
-
-# (block size, bytes per block) of ggml types, by type id (ggml.h / gguf-py GGML_QUANT_SIZES).
-TYPE_SIZES = {
-    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110),
-    22: (256, 82), 23: (256, 136), 30: (1, 2),
-}
-SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def gguf_tensors(path: Path) -> tuple[dict, list[tuple[str, list[int], int]]]:
-    """Scalar and string KVs, and (name, dims, ggml type id) of every tensor, from a GGUF header."""
-    with open(path, "rb") as f:
-        def take(fmt: str):
-            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def string() -> str:
-            return f.read(take("<Q")).decode(errors="replace")
-
-        def value(vtype: int):
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                etype, n = take("<I"), take("<Q")
-                return [value(etype) for _ in range(n)]
-            return take(SCALAR[vtype])
-
-        magic, _version, n_tensors, n_kv = struct.unpack("<IIQQ", f.read(24))
-        if magic != 0x46554747:
-            raise SystemExit(f"{path} is not a GGUF file")
-        kv = {}
-        for _ in range(n_kv):
-            key = string()
-            v = value(take("<I"))
-            if not isinstance(v, list):
-                kv[key] = v
-        tensors = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [take("<Q") for _ in range(take("<I"))]
-            ttype = take("<I")
-            take("<Q")  # offset
-            tensors.append((name, dims, ttype))
-    return kv, tensors
-
-
-def read_gguf(path: Path) -> tuple[dict, list[tuple[str, int]]]:
-    """Scalar and string KVs, and (name, bytes) of every tensor, from a GGUF header."""
-    kv, infos = gguf_tensors(path)
-    tensors = []
-    for name, dims, ttype in infos:
-        block, size = TYPE_SIZES[ttype]
-        n = 1
-        for d in dims:
-            n *= d
-        tensors.append((name, n // block * size))
-    return kv, tensors
 
 
 def sizes(model: Path, n_ctx: int) -> tuple[dict, int, list[int]]:
@@ -173,9 +114,8 @@ def run_arm(label: str, cmd: list[str], args, port: int) -> Path:
             wait_ready(url, proc)
             print(f"   ready in {time.time() - t0:.1f} s", flush=True)
             result = out / f"{label}.json"
-            bench = [sys.executable, str(BENCH), "--model", Path(args.model).stem, "--url", url, "--engine-log", str(log),
-                     "--label", label, "--output", str(result)] + (["--quick"] if args.quick else [])
-            subprocess.run(bench, check=True)
+            prefill.main(["--model", Path(args.model).stem, "--url", url, "--engine-log", str(log), "--binary", cmd[0],
+                          "--label", label, "--output", str(result)] + (["--quick"] if args.quick else []))
             try:
                 with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
                     (out / f"{label}.metrics.txt").write_bytes(r.read())
@@ -199,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for logs, JSONs and the chart")
     ap.add_argument("--vram-gib", type=float, help="emulate a card of this many GiB")
     ap.add_argument("--ctx", type=int, default=16384, help="context size of both arms (default 16384)")
-    ap.add_argument("--quick", action="store_true", help="bench_prefill --quick (CPU smoke test)")
+    ap.add_argument("--quick", action="store_true", help="tools/bench/prefill --quick (CPU smoke test)")
     ap.add_argument("--plan", metavar="GGUF", help="print the --n-cpu-moe arithmetic for this model and exit")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--ceiling", action="store_true", help="also run the control all on the GPU first (the ceiling)")
@@ -207,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
                     "with --vram-gib they replace --n-cpu-moe")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    try:
+        return run(ap, args, extra)
+    except GGUFError as e:
+        raise SystemExit(f"ab: {e}")
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
     if args.plan:
         if args.vram_gib is None:
             ap.error("--plan needs --vram-gib")
@@ -234,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_arm("control", [args.control] + common + control_extra, args, args.port),
             run_arm("candidate", [args.candidate] + common + candidate_extra, args, args.port)] + ceiling
     chart = Path(args.out) / "prefill.png"
-    table = subprocess.run([sys.executable, str(BENCH), "--compare", *map(str, runs), "--chart", str(chart)],
-                           check=True, capture_output=True, text=True).stdout
+    table = prefill.compare([str(r) for r in runs], str(chart))
     (Path(args.out) / "compare.md").write_text(table)
     print(table)
     return 0

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Decode speed of several server arms on one prompt, to attribute a decode gap by switching one
 thing per arm (CUDA graphs off with GGML_CUDA_DISABLE_GRAPHS=1, ggml's op fusion off with
 GGML_CUDA_DISABLE_FUSION=1, another cold-decode mechanism, no ring windows ...). Each arm is one
@@ -6,11 +5,11 @@ server command line (llama-server or strata-server; `env X=Y CMD` sets variables
 started, answers a short warm-up request, then --runs requests of the same prompt (no prompt
 cache) that each generate --predict tokens, greedy, ignoring end of text.
 
-    tools/device/decodediag --out DIR --prompt-file F [--prompt-tokens 512] [--predict 256] [--runs 2]
+    tools/bench/decodediag --out DIR --prompt-file F [--prompt-tokens 512] [--predict 256] [--runs 2]
                             -- NAME=CMD... --- NAME=CMD...
-    tools/device/decodediag --summary DIR
+    tools/bench/decodediag --summary DIR
 
-Writes DIR/arms.json, DIR/NAME.json (timings of every run), DIR/NAME.log and DIR/summary.txt:
+Writes DIR/arms.json, DIR/NAME.json (timings of every run, and the binary's sha256 and --version line), DIR/NAME.log and DIR/summary.txt:
 per arm the decode t/s of each run, the median, the ratio of the median to the first arm's and
 the server's "graphs reused" count after the last run. strata-server arms also write
 DIR/NAME.steps.jsonl (STRATA_STEP_TRACE, which upstream ignores): the host's time around their
@@ -26,9 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strata_tools import NotReady, decodediag_arms, free_port, post_json, stop, wait_healthy  # noqa: E402
-from strata_tools.device import split_arms  # noqa: E402
+from strata_tools import NotReady, free_port, post_json, provenance, split_arms, stop, wait_healthy
+from strata_tools.bench import decodediag_arms
 
 REUSED = re.compile(r"graphs reused =\s*(\d+)")
 
@@ -68,7 +66,8 @@ def run_arm(name: str, cmd: list[str], text: str, a: argparse.Namespace) -> dict
         finally:
             stop(proc)
     reused = REUSED.findall(log_path.read_text(errors="replace"))
-    return {"command": cmd, "runs": runs, "graphs_reused": int(reused[-1]) if reused else None}
+    return {"command": cmd, "binary": provenance.binary(provenance.command_binary(cmd)), "runs": runs,
+            "graphs_reused": int(reused[-1]) if reused else None}
 
 
 def summary(out: Path) -> str:

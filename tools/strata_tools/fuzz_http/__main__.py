@@ -1,8 +1,8 @@
 """Differential HTTP fuzzer: the same hostile requests to upstream llama-server and strata-server.
 
-    python3 -m fuzz_http [--seed N] [--cases N] [--out DIR] [--allow FILE] [--report-only]
+    tools/fuzz-http [--seed N] [--cases N] [--out DIR] [--allow FILE] [--report-only]
 
-(run from tools/, or through tools/fuzz-http). Both servers are started with the same flags on the
+(or `python3 -m strata_tools.fuzz_http` with tools/ on PYTHONPATH). Both servers are started with the same flags on the
 same model. After every case both must still answer /health; after every abandoned connection
 their slots must come free. Reports strata crashes, hangs (no answer where upstream answered),
 wedges (unhealthy after a case), slot leaks, its RSS, and every answer that differs from
@@ -29,10 +29,8 @@ from . import cases as gen
 from .compare import allowed, differences, load_allow, summarize
 from .wire import Answer, abandon, exchange, pipeline, request_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strata_tools import free_port  # noqa: E402
+from strata_tools import REPO, free_port, provenance
 
-REPO = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT = 90.0
 MALFORMED_TIMEOUT = 10.0
 HEALTH_TIMEOUT = 20.0
@@ -170,7 +168,7 @@ def compare(u: dict, s: dict) -> list[str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="fuzz-http", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cases", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=REPO / "target/fuzz-http")
@@ -265,7 +263,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     report = {
         "seed": args.seed, "cases": len(case_list), "seconds": round(time.time() - t0, 1),
-        "flags": flags, "counts": dict(counts), "strata_rss_mib": rss, "upstream_rss_max_mib": upstream_rss_max,
+        "flags": flags, "binaries": {"upstream": provenance.binary(args.upstream), "strata": provenance.binary(args.strata)},
+        "counts": dict(counts), "strata_rss_mib": rss, "upstream_rss_max_mib": upstream_rss_max,
         "restarts": {k: v.starts - 1 for k, v in servers.items()},
         "findings": findings,
         "difference_classes": {k: {"count": len(v), "examples": v[:3]} for k, v in sorted(diff_classes.items())},
@@ -285,8 +284,10 @@ def _field(key: str) -> str:
 
 def _summary(r: dict, brief: bool = False) -> str:
     c = r["counts"]
-    lines = [f"# fuzz-http: seed {r['seed']}, {r['cases']} cases, {r['seconds']} s", "",
-             "| outcome | cases |", "|---|---|"]
+    lines = [f"# fuzz-http: seed {r['seed']}, {r['cases']} cases, {r['seconds']} s", ""]
+    for name, b in r.get("binaries", {}).items():
+        lines.append(f"- {name}: `{b['path']}`: `{b.get('version', b.get('error'))}`, sha256 `{b.get('sha256')}`")
+    lines += ["", "| outcome | cases |", "|---|---|"]
     for k in sorted(c):
         lines.append(f"| {k} | {c[k]} |")
     rss = r["strata_rss_mib"]
@@ -306,7 +307,7 @@ def _summary(r: dict, brief: bool = False) -> str:
                 lines.append(f"  - upstream: `{json.dumps(ex['upstream'])[:300]}`")
                 lines.append(f"  - strata: `{json.dumps(ex['strata'])[:300]}`")
     if r["allowed"] and not brief:
-        lines += ["", "## Allowed differences (tools/fuzz_http/allow.txt)", ""]
+        lines += ["", "## Allowed differences (tools/strata_tools/fuzz_http/allow.txt)", ""]
         for k, v in sorted(r["allowed"].items()):
             lines.append(f"- `{k}`: {v}")
     return "\n".join(lines) + "\n"
