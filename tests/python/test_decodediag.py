@@ -35,7 +35,7 @@ def test_two_arms_run_and_the_summary_compares_them(tmp_path):
     res = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path / "out"), "--prompt-file", str(prompt),
                           "--prompt-tokens", "64", "--predict", "8", "--runs", "2", "--",
                           f"plain={SERVER}", *common, "---"] +
-                         ["tiers=env", "STRATA_COLD_DECODE=cpu", str(SERVER), *common, "--mmap-experts", "--expert-cache", "4"],
+                         ["tiers=env", "STRATA_LAB=flat-ids", str(SERVER), *common, "--mmap-experts", "--expert-cache", "4"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr + res.stdout
     for name in ("plain", "tiers"):

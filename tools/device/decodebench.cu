@@ -22,16 +22,17 @@
 //     add. Says whether the driver allows it (and host access to the cold part, to fill it in
 //     place), the per-layer read costs through it, and the per-token graph with one set of
 //     kernels per layer against (a)'s two.
-// (f) the workers inside the step (STRATA_COLD_DECODE=workers, kernels/cuda/host-ops.cuh): per
-//     layer the launch's copies (8 KiB and 32 bytes to the host) and post, not waited for; the hot
-//     experts (8 read from VRAM, as in (a)); the join's copy (4 bytes), post and wait; its result
-//     (n_embd x n_used f32, 64 KiB) back and an add. A host thread answers the posts in order and,
-//     for each join, spins until W us after its launch (the workers' arithmetic); one CUDA graph of
-//     48 layers, against the hot reads alone, for W = 0, 15 and 40.
-// (g) staged (STRATA_DECODE_STAGE=1, kernels/cuda/expert-stage.cuh): per layer one wide-load
-//     kernel copies the k cold experts' gate and up from host memory into VRAM, (a)'s kernels
-//     read them there, then the same for down; per layer against (a)'s reads over the bus, and
-//     per token as (a)'s graph.
+// (f) the workers inside the step (host ops answered through a mailbox; the mechanism was
+//     removed, see docs/lab.md): per layer the launch's copies (8 KiB and 32 bytes to the host)
+//     and post, not waited for; the hot experts (8 read from VRAM, as in (a)); the join's copy
+//     (4 bytes), post and wait; its result (n_embd x n_used f32, 64 KiB) back and an add. A host
+//     thread answers the posts in order and, for each join, spins until W us after its launch
+//     (the workers' arithmetic); one CUDA graph of 48 layers, against the hot reads alone, for
+//     W = 0, 15 and 40.
+// (g) staged (the mechanism was removed, see docs/lab.md): per layer one wide-load kernel
+//     copies the k cold experts' gate and up from host memory into VRAM, (a)'s kernels read them
+//     there, then the same for down; per layer against (a)'s reads over the bus, and per token as
+//     (a)'s graph.
 // (h) the routing log: per layer the step's 8 expert ids copied into page-locked host memory that
 //     the device maps, as a 32-byte memcpy node (ggml-cuda's i32 to i32 copy) against a kernel
 //     converting them to f32 there; the per-token graph of 48 layers of 8 reads from VRAM with
@@ -130,8 +131,8 @@ __global__ void wait_for(volatile int * flag, int v) {
     }
 }
 
-// (f)'s mailbox, as host-ops.cuh keeps one per stream: posts counted in device memory, a ring of
-// what was posted in mapped host memory.
+// (f)'s mailbox, as the removed host ops kept one per stream: posts counted in device memory, a
+// ring of what was posted in mapped host memory.
 struct mailbox {
     unsigned long long req;
     unsigned long long done;

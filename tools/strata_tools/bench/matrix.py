@@ -1,9 +1,12 @@
 """The matrix of tools/device/run-ring rows: one object per row directory
-(row-GIB-SKEW-UB[-DECODE][+ARM], DECODE naming the candidate's STRATA_COLD_DECODE, ARM its
-residency arm: profile (the default), adapt (the profile and --adapt-every), noprofile (only
---adapt-every), onepass, waves, paced, minp, lend, table or chains (tools/device/run-ring says what each
-sets); made by tools/bench/ab) with the ratios of the candidate to the control and to the
-all-GPU ceiling measured in the same device call.
+(row-GIB-SKEW-UB[-DECODE][+ARM], DECODE cpu where the CPU computed decode's cold experts from a
+pageable RAM copy, absent for zero-copy decode from a page-locked one; ARM the residency arm:
+profile (the default), adapt (the profile and --adapt-every), noprofile (only --adapt-every),
+onepass, waves, paced or minp (tools/device/run-ring says what each sets); made by
+tools/bench/ab) with the ratios of the candidate to the control and to the all-GPU ceiling
+measured in the same device call. Older calls' folders read the same: there DECODE (cpu, mapped,
+workers, mixed) and the arms lend, table, chains and stage name switches since removed
+(docs/lab.md), and cpu computed from the page-locked copy.
 
     tools/bench/matrix DIR... > matrix.json
 
