@@ -107,6 +107,9 @@ pub struct Prepared {
 
 /// Validates the model's expert tensors (and the profile against it) before llama.cpp maps them.
 pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<Prepared, String> {
+    if cfg.pcie_frac > 0.0 && cfg.pinned && moe::has_gpu() {
+        return Err("--pcie-frac uploads a share of the cold experts the CPU computes in decode; with --resident-experts on a GPU, decode reads every cold expert over the bus from the page-locked copy (zero-copy) and the CPU computes none: drop --pcie-frac, or use --resident-cpu-experts".into());
+    }
     if !use_mmap && (cfg.mmap_experts || cfg.resident_cpu) {
         let flag = if cfg.mmap_experts { "--mmap-experts" } else { "--resident-cpu-experts" };
         return Err(format!("{flag} needs the model file mapped: use --load-mode mmap (or auto)"));
@@ -297,11 +300,13 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     let mut line = format!("experts: {} MoE layers x {} experts;", p.layout.layers.len(), p.layout.n_expert);
     for t in Tier::ALL {
         let i = t as usize;
-        line += &format!(" {} {} ({})", t.name(), placement.experts[i], gib(placement.bytes[i]));
-        if t == Tier::Hot {
-            line += &format!(" on {}", placement.hot_device);
-        }
-        line += ",";
+        let place = match t {
+            Tier::Hot if moe::has_gpu() => format!("in {}'s memory", placement.hot_device),
+            Tier::Hot => "in host memory (no GPU)".into(),
+            Tier::Ram => "in a RAM copy".into(),
+            Tier::Mapped => "read from the model file".into(),
+        };
+        line += &format!(" {} {} ({}) {place},", t.name(), placement.experts[i], gib(placement.bytes[i]));
     }
     line.pop();
     crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
@@ -320,6 +325,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             let hot_hits: u64 = placed().take(placement.experts[Tier::Hot as usize] as usize).map(|e| e.hits).sum();
             format!("profile hit rate of the hot tier {:.2}%", 100.0 * hot_hits as f64 / all.max(1) as f64)
         }
+        None if placement.experts[Tier::Hot as usize] == 0 => "no expert is hot".into(),
         None => "no --expert-profile: hot experts taken evenly per layer".into(),
     };
     if cfg.adapt_every > 0 && cfg.hot_tier {
@@ -345,8 +351,8 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     let cpu = match (placement.workers, cfg.pcie_frac) {
         (0, f) if f > 0.0 => format!("the CPU backend's threads, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
         (0, _) => "the CPU backend's threads".into(),
-        (n, f) if f > 0.0 => format!("a pool of {n} workers, {:.0}% of them uploaded (--pcie-frac)", 100.0 * f),
-        (n, _) => format!("a pool of {n} workers"),
+        (n, f) if f > 0.0 => format!("a pool of {n} worker{}, {:.0}% of them uploaded (--pcie-frac)", if n == 1 { "" } else { "s" }, 100.0 * f),
+        (n, _) => format!("a pool of {n} worker{}", if n == 1 { "" } else { "s" }),
     };
     let decode = match (placement.zero_copy_layers, &placement.zero_copy_off) {
         (n, _) if n > 0 => format!(
@@ -365,7 +371,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     match (&placement.ring, ring_half) {
         (Some(line), _) => crate::log::srv(strata_ffi::Verbosity::Info, "load_model", line),
         (None, 0) if cfg.hot_tier && cfg.ring_slots != Some(0) && !moe::has_gpu() => {
-            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "prefill ring: off (no GPU); prompt batches compute cold experts as before")
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "prefill ring: off (no GPU): prompt batches compute their cold experts on the CPU")
         }
         _ => {}
     }

@@ -109,7 +109,7 @@ fn split_experts_match_the_unsplit_model() {
     assert!(metric(&mapped, "expert_selections_total", "vram") > 0);
     assert!(metric(&mapped, "expert_selections_total", "mmap") > 0);
     let log = mapped.log.lock().unwrap().clone();
-    assert!(log.contains("experts: 4 MoE layers x 16 experts; vram 30"), "{log}");
+    assert!(log.contains("experts: 4 MoE layers x 16 experts; vram 30 (0.00 GiB) in host memory (no GPU), ram 0 (0.00 GiB) in a RAM copy, mmap 34"), "{log}");
     drop(mapped);
 
     // No hot tier: every expert through the CPU kernels; every expert hot: no cold path; nearly

@@ -15,23 +15,17 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use strata_residency::adapt::{Adapter, Policy, Start, Swap};
+use strata_residency::adapt::{Adapter, Start, Swap};
 
-use super::{copy_map_of, hot_map_of, set_map, LayerTiers, PlaceError, T};
+use super::layer::LayerTiers;
+use super::tensors::{copy_map_of, hot_map_of, set_map};
+use super::types::{PlaceError, T};
 use crate::sys;
 
 /// Swaps made after one batch at most (each moves two experts over the bus).
 pub const SWAPS_PER_BATCH: usize = 8;
 
-/// What `--adapt-every` asks for.
-#[derive(Clone, Debug)]
-pub struct AdaptPlan {
-    /// Batches per interval (0: off).
-    pub every: u64,
-    pub policy: Policy,
-    /// The profile's selections per expert, by layer (the policy's prior); empty: an even prior.
-    pub prior: Vec<(i32, Vec<u64>)>,
-}
+pub use super::types::AdaptPlan;
 
 /// Adaptation's counters, summed over models (for /metrics).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

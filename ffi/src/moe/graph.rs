@@ -3,7 +3,9 @@
 use std::ffi::c_void;
 use std::ptr::NonNull;
 
-use super::{kernels, pool, ring, Activation, LayerTiers, Mats, OFFLOAD_MIN_BATCH, T};
+use super::layer::LayerTiers;
+use super::types::{Activation, Mats, OFFLOAD_MIN_BATCH, T};
+use super::{kernels, pool, prefill};
 use crate::sys;
 
 /// An upper bound on the nodes (tensors and views) a tiered layer adds beyond llama.cpp's own
@@ -175,7 +177,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
         let overflow = lt.ring.as_ref().is_some_and(|(r, _)| lt.cold_used_at_most(n_tok) > passes * r.half);
         let mut srcs = vec![sel];
         srcs.extend(host_cold_weight(lt));
-        let fill = if overflow { ring::fill_only } else { ring::fill };
+        let fill = if overflow { prefill::fill_only } else { prefill::fill };
         let ids = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, Some(fill), 1, lt), "strata_ring_fill");
         g.expand(ids);
         let cold_srcs = [lt.cold_tensors.up, lt.cold_tensors.gate, lt.cold_tensors.gate_up].into_iter().flatten();
@@ -194,7 +196,7 @@ pub(crate) fn build(args: &sys::strata_moe_experts_args, lt: &LayerTiers) -> Opt
             let after = unsafe { sys::ggml_view_1d(g.ctx, experts, 1, 0) };
             let mut srcs = vec![sel, after];
             srcs.extend(host_cold_weight(lt));
-            let ids = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, ring::fill_op(k), 1, lt), "strata_ring_fill");
+            let ids = g.named(g.custom_of(sys::GGML_TYPE_I32, [n_used, n_tok, 1], &mut srcs, prefill::fill_op(k), 1, lt), "strata_ring_fill");
             g.expand(ids);
             let pass = g.ffn("strata_ring_mm", lt.pass_mats(k)?, ids, act, false)?;
             // SAFETY: both are [n_embd, n_used, n_tok] f32 graph tensors, zero where the other computes.

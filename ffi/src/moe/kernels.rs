@@ -11,66 +11,9 @@
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
-use super::{Activation, LayerTiers, Tier};
+use super::layer::LayerTiers;
+use super::types::{Activation, Tier};
 use crate::sys;
-
-/// One weight matrix of a cold expert, as the kernels read it.
-#[derive(Clone, Copy)]
-pub(crate) struct ColdMat {
-    pub data: *const u8,
-    pub nb1: usize,
-    pub nb2: usize,
-    pub traits: CpuTraits,
-}
-
-/// The CPU backend's routines for one weight type.
-#[derive(Clone, Copy)]
-pub(crate) struct CpuTraits {
-    pub vec_dot: unsafe extern "C" fn(i32, *mut f32, usize, *const c_void, usize, *const c_void, usize, i32),
-    pub from_float: Option<unsafe extern "C" fn(*const f32, *mut c_void, i64)>,
-    pub vec_dot_type: sys::ggml_type,
-}
-
-impl CpuTraits {
-    pub(crate) fn of(ty: sys::ggml_type) -> Option<Self> {
-        // SAFETY: returns a pointer into a static table of the CPU module, or NULL.
-        let t = unsafe { sys::strata_cpu_type_traits(ty as i32).as_ref()? };
-        let vec_dot = t.vec_dot?;
-        let from_float = if t.vec_dot_type == sys::GGML_TYPE_F32 {
-            None
-        } else {
-            // SAFETY: as above; the input is converted with the dot-product type's routine.
-            Some(unsafe { sys::strata_cpu_type_traits(t.vec_dot_type as i32).as_ref()? }.from_float?)
-        };
-        Some(Self { vec_dot, from_float, vec_dot_type: t.vec_dot_type })
-    }
-
-    /// Bytes of one input row of `n` values in this matrix's dot-product type.
-    fn row_bytes(&self, n: usize) -> usize {
-        // SAFETY: pure size computation for a valid type.
-        unsafe { sys::ggml_row_size(self.vec_dot_type, n as i64) }
-    }
-
-    /// Converts `x` into the dot-product type in `out` (resized as needed).
-    fn quantize(&self, x: &[f32], out: &mut Vec<u8>) {
-        let n = self.row_bytes(x.len());
-        out.resize(n, 0);
-        match self.from_float {
-            // SAFETY: out holds exactly one row of x.len() values in vec_dot_type.
-            Some(f) => unsafe { f(x.as_ptr(), out.as_mut_ptr().cast(), x.len() as i64) },
-            // SAFETY: F32 rows are the floats themselves; out is x.len()*4 bytes.
-            None => unsafe { std::ptr::copy_nonoverlapping(x.as_ptr().cast::<u8>(), out.as_mut_ptr(), n) },
-        }
-    }
-
-    /// Dot product of weight row `w` with the converted input `xq` (`n` values).
-    fn dot(&self, n: usize, w: *const u8, xq: &[u8]) -> f32 {
-        let mut s = 0.0f32;
-        // SAFETY: w points at one row of n values of the weight type; xq is one row in vec_dot_type.
-        unsafe { (self.vec_dot)(n as i32, &mut s, 0, w.cast(), 0, xq.as_ptr().cast(), 0, 1) };
-        s
-    }
-}
 
 /// Splits `total` work items across `nth` threads; thread `ith` gets `[start, end)`.
 pub(crate) fn share(total: usize, ith: usize, nth: usize) -> (usize, usize) {
@@ -148,7 +91,7 @@ pub(crate) unsafe fn src_opt<'a>(dst: *mut sys::ggml_tensor, i: usize) -> Option
 /// Which selections the upload op sent to the staging slots (ids below the slot count).
 pub(crate) fn uploaded(lt: &LayerTiers, ids_t: Option<&sys::ggml_tensor>) -> Vec<bool> {
     // A prompt batch's ids come from the prefill ring: a cold selection sent to a pad stays here.
-    if let (Some(t), Some(hot_pads)) = (ids_t.filter(|t| t.ne[1] >= super::OFFLOAD_MIN_BATCH), lt.ring_pads()) {
+    if let (Some(t), Some(hot_pads)) = (ids_t.filter(|t| t.ne[1] >= super::types::OFFLOAD_MIN_BATCH), lt.ring_pads()) {
         // SAFETY: the fill op's output is contiguous i32.
         return unsafe { ids(t) }.iter().map(|&s| !hot_pads.contains(&s)).collect();
     }
@@ -224,7 +167,7 @@ pub(crate) fn gate_up_rows<'x>(
 
 /// Whether op B writes the weighted form for a batch of `n_tok` tokens (see the module doc).
 pub(crate) fn weighted_output(n_tok: usize) -> bool {
-    n_tok as i64 >= super::OFFLOAD_MIN_BATCH
+    n_tok as i64 >= super::types::OFFLOAD_MIN_BATCH
 }
 
 /// Rows `r0..r1` (of n_embd) of down·h over the cold slots, into `out`: [n_embd, n_used, n_tok]

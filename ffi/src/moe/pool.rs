@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use super::kernels::{cold_items, down_rows, gate_up_rows, ids, src, src_opt, tally, token_row, uploaded, weighted_output, weights};
-use super::LayerTiers;
+use super::layer::LayerTiers;
 use crate::sys;
 
 /// Spins before a worker sleeps: decode launches a job per layer every few tens of microseconds.

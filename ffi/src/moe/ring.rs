@@ -24,7 +24,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use super::{kernels, LayerTiers, Tally};
+use super::types::{Mats, Tally, T};
 use crate::sys;
 
 /// Slots of the two halves of the ring: which (layer, expert) each holds. Pure bookkeeping,
@@ -753,7 +753,7 @@ impl Ring {
     /// Copies cold rows into other device tensors (`--pcie-frac` staging slots) through the
     /// ring's copier, waiting for them: (slot in `dst`, row in `src`) per expert. False if the
     /// copier could not (the caller then copies another way).
-    pub(crate) fn copy_rows(&self, src: &super::Mats<super::T>, dst: &super::Mats<super::T>, rows: &[(usize, usize)]) -> bool {
+    pub(crate) fn copy_rows(&self, src: &Mats<T>, dst: &Mats<T>, rows: &[(usize, usize)]) -> bool {
         let mut pieces = Vec::with_capacity(rows.len() * 3);
         for (s, d) in src.iter().zip(dst.iter()) {
             // SAFETY: live tensors of the same per-expert stride; dst has more than `slot` experts.
@@ -911,49 +911,6 @@ fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Stagin
     }
 }
 
-/// The custom op of a tiered layer's prompt batch, its first pass through the ring. Sources:
-/// sel [n_used, n_tok] i32, then a cold host tensor (it places the op on the CPU). Writes dst
-/// [n_used, n_tok] i32: each selection's slot in the layer's window: its hot slot, its ring slot,
-/// -1 where a later pass computes it, or (a cold expert no pass has room for) the zero pad of
-/// its position, which the CPU part computes instead.
-///
-/// # Safety
-/// Called by ggml as a custom op: `dst` is the op's live tensor with the sources listed above,
-/// and `userdata` the layer's `LayerTiers`, alive for the graph. A panic here aborts (it cannot
-/// unwind through ggml's C frames).
-pub(crate) unsafe extern "C" fn fill(dst: *mut sys::ggml_tensor, ith: i32, nth: i32, userdata: *mut c_void) {
-    // SAFETY: as fill_only.
-    unsafe { fill_only(dst, ith, nth, userdata) };
-    if ith == 0 {
-        // SAFETY: userdata is the layer's LayerTiers; sel is the first source, contiguous i32.
-        unsafe { kernels::tally(&*(userdata as *const LayerTiers), kernels::ids(&*(*dst).src[0])) };
-    }
-}
-
-/// [`fill`] without counting the selections, for graphs whose CPU part counts them.
-///
-/// # Safety
-/// As [`fill`].
-pub(crate) unsafe extern "C" fn fill_only(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
-    if ith == 0 {
-        // SAFETY: as fill.
-        unsafe { fill_pass_at(dst, 0, userdata) };
-    }
-}
-
-/// Pass `K` (>= 1) of a layer in waves: each selection's slot in this pass's tensors, or -1.
-/// Sources: sel, a view of the previous pass's output (so the scheduler runs this step after
-/// that pass has computed, when the half it used is free), then a cold host tensor.
-///
-/// # Safety
-/// As [`fill`].
-pub(crate) unsafe extern "C" fn fill_pass<const K: usize>(dst: *mut sys::ggml_tensor, ith: i32, _nth: i32, userdata: *mut c_void) {
-    if ith == 0 {
-        // SAFETY: as fill.
-        unsafe { fill_pass_at(dst, K, userdata) };
-    }
-}
-
 /// The most passes a layer's graph may have (one fill function each).
 pub const MAX_PASSES: usize = 8;
 
@@ -966,53 +923,6 @@ pub const DEFAULT_PASSES: usize = 4;
 /// H100 at 12 GiB, -ub 4096: 19-30% more prefill than unpaced in the same lease).
 pub const DEVICE_PACE: usize = 16 << 20;
 
-/// The fill op of pass `k`, for the graph builder.
-pub(crate) fn fill_op(k: usize) -> sys::ggml_custom_op_t {
-    let f: unsafe extern "C" fn(*mut sys::ggml_tensor, i32, i32, *mut c_void) = match k {
-        0 => fill_only,
-        1 => fill_pass::<1>,
-        2 => fill_pass::<2>,
-        3 => fill_pass::<3>,
-        4 => fill_pass::<4>,
-        5 => fill_pass::<5>,
-        6 => fill_pass::<6>,
-        _ => fill_pass::<7>,
-    };
-    Some(f)
-}
-
-/// # Safety
-/// `dst` is a fill op's live tensor (sel its first source) and `userdata` the layer's `LayerTiers`.
-unsafe fn fill_pass_at(dst: *mut sys::ggml_tensor, k: usize, userdata: *mut c_void) {
-    // SAFETY: userdata is the layer's LayerTiers, kept alive by the registry while graphs exist.
-    let lt = unsafe { &*(userdata as *const LayerTiers) };
-    // SAFETY: the graph builder gave this op sel as its first source; dst is i32 of sel's shape.
-    let (sel, out) = unsafe {
-        let sel = &*(*dst).src[0];
-        (kernels::ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
-    };
-    let Some((ring, i)) = lt.ring.as_ref() else { return };
-    let Some(((cols, n_as), skips)) = ring.fill(*i, k, lt.ring_passes(), sel, out) else {
-        // A failed copy cannot be recovered inside a graph; the layer's result would be wrong.
-        crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
-        std::process::abort();
-    };
-    // The pass's mul_mat_ids run next (a later split of this graph, on this thread): tell the
-    // backend how little of the tensors this pass uses, and whether some ids are -1 (patches/0003,
-    // patches/0005).
-    if let Some(w) = lt.pass_mats(k) {
-        for t in w.iter() {
-            // SAFETY: the tensors are the layer's own, alive while it is; nothing else writes
-            // their op_params, and the graph that reads them runs on this thread after this op.
-            unsafe {
-                (*t).op_params[0] = cols;
-                (*t).op_params[1] = n_as;
-                (*t).op_params[2] = i32::from(skips);
-            }
-        }
-    }
-}
-
 /// The bounds of a batch's window slots for the backend: the selections of the most used slot,
 /// and one past the largest slot.
 pub(crate) fn bounds(slots: &[i32]) -> (i32, i32) {
@@ -1024,25 +934,6 @@ pub(crate) fn bounds(slots: &[i32]) -> (i32, i32) {
         }
     }
     (counts.into_iter().max().unwrap_or(0), n_as)
-}
-
-/// Measures the CPU's cold (token, expert) pair rate on one thread with `n` cold experts of
-/// `lt` (a zero input; the time does not depend on the values).
-pub(crate) fn measure_cpu(lt: &LayerTiers, n: usize) -> Option<f64> {
-    let rows: Vec<i32> = (0..lt.n_expert() as i32).filter(|&e| lt.cold_row(e).is_some()).take(n).collect();
-    if rows.is_empty() {
-        return None;
-    }
-    let n_used = rows.len();
-    let x = vec![0.0f32; lt.n_embd];
-    let items: Vec<(usize, usize, usize)> = rows.iter().enumerate().filter_map(|(k, &e)| Some((0, k, lt.cold_row(e)?))).collect();
-    let mut h = vec![0.0f32; lt.n_ff * n_used];
-    let mut y = vec![0.0f32; lt.n_embd * n_used];
-    let t0 = Instant::now();
-    kernels::gate_up_rows(lt, |_| &x[..], &items, n_used, h.as_mut_ptr(), 0, items.len() * lt.n_ff);
-    kernels::down_rows(lt, h.as_ptr(), &rows, &[], None, n_used, y.as_mut_ptr(), 0, lt.n_embd);
-    let s = t0.elapsed().as_secs_f64();
-    (s > 0.0).then(|| rows.len() as f64 / s)
 }
 
 #[cfg(test)]

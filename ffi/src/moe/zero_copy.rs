@@ -11,7 +11,8 @@
 
 use std::ffi::c_void;
 
-use super::{Alloc, Mats, Owned, T};
+use super::tensors::{set_name, Alloc, Owned};
+use super::types::{Mats, T};
 use crate::backend::proc_address;
 use crate::sys;
 
@@ -24,7 +25,7 @@ type VecMaxBatch = unsafe extern "C" fn(i32, i32) -> i32;
 
 /// A layer's zero-copy decode: the RAM copy's matrices as the device addresses them, the tables,
 /// and the routing log.
-pub(super) struct ZeroCopy {
+pub(crate) struct ZeroCopy {
     pub mats: Mats<T>,
     /// Every expert read through tables of pointers.
     pub table: ByTable,
@@ -97,7 +98,7 @@ impl ZeroCopy {
             // which spans the same bytes.
             unsafe {
                 let v = sys::ggml_dup_tensor(a.ctx, t);
-                super::set_name(v, name);
+                set_name(v, name);
                 let addr = (mbase + ((*t).data as usize - host_base)) as *mut c_void;
                 if sys::ggml_backend_tensor_alloc(mbuf, v, addr) != sys::GGML_STATUS_SUCCESS {
                     failed = true;
@@ -163,9 +164,9 @@ pub(super) fn log_tensor(a: &Alloc, n_used: usize, il: i32) -> T {
     // SAFETY: a's context has room for the metadata (two tensors beyond the matrices).
     unsafe {
         let t = sys::ggml_new_tensor_2d(a.ctx, sys::GGML_TYPE_F32, n_used as i64, MAX_TOKENS);
-        super::set_name(t, &format!("blk.{il}.exps.decode_log"));
+        set_name(t, &format!("blk.{il}.exps.decode_log"));
         let spare = sys::ggml_new_tensor_1d(a.ctx, sys::GGML_TYPE_I8, SPARE_BYTES);
-        super::set_name(spare, &format!("blk.{il}.exps.spare"));
+        set_name(spare, &format!("blk.{il}.exps.spare"));
         t
     }
 }
@@ -177,7 +178,7 @@ const SPARE_BYTES: i64 = 64 << 10;
 /// over every expert id whose op_params name its table, and the table (one address per id) in
 /// the hot tier's buffer. A step is then one mul_mat_id per matrix, as on an all-GPU model, that
 /// reads hot experts from VRAM and cold ones from the page-locked copy.
-pub(super) struct ByTable {
+pub(crate) struct ByTable {
     /// The down projection's tensor also names the routing log (patches/0008): its kernels write
     /// the step's ids there, so zero-copy decode adds no node of its own for them.
     pub mats: Mats<T>,

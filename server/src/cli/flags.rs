@@ -497,13 +497,26 @@ fn not_yet(e: Effect) -> &'static str {
 
 /// Start-up warnings: flags taken that do nothing here (the expert flags without a tier),
 /// and variables set that this build does not read.
+/// The flags that turn the expert tiers on, as a warning names them.
+const TIERS_ON: &str = "add --mmap-experts, --resident-cpu-experts or --resident-experts (or --expert-cache N)";
+
 pub fn warnings(strata: &StrataArgs, tiers: bool, env: impl Fn(&str) -> bool) -> Vec<String> {
-    let mut out: Vec<String> = strata
-        .own_flags()
-        .filter(|n| FLAGS.iter().any(|f| f.name == *n && (f.effect == Effect::NotYet || (f.effect == Effect::Experts && !tiers))))
-        .map(|n| format!("{n} is accepted but has no effect in this build yet"))
-        .collect();
-    out.extend(ENV_VARS.iter().filter(|e| e.effect == Effect::NotYet && env(e.name)).map(|e| format!("{} is set but has no effect in this build yet", e.name)));
+    let effect = |n: &str| FLAGS.iter().find(|f| f.name == n).map(|f| f.effect);
+    let mut out: Vec<String> = Vec::new();
+    for n in strata.own_flags() {
+        match effect(n) {
+            Some(Effect::NotYet) => out.push(format!("{n} is accepted but has no effect in this build yet")),
+            Some(Effect::Experts) if !tiers => out.push(format!("{n} has no effect without the expert tiers: {TIERS_ON}")),
+            _ => {}
+        }
+    }
+    for e in ENV_VARS.iter().filter(|e| env(e.name)) {
+        match e.effect {
+            Effect::NotYet => out.push(format!("{} is set but has no effect in this build yet", e.name)),
+            Effect::Experts if !tiers => out.push(format!("{} is set but has no effect without the expert tiers: {TIERS_ON}", e.name)),
+            _ => {}
+        }
+    }
     out
 }
 
@@ -573,8 +586,11 @@ mod tests {
         let (strata, _) = split(&argv("--adapt-every 0 --pool-workers 4 --prefill 512")).unwrap();
         let set = |v: &str| v == "STRATA_HIPBLASLT_TUNING" || v == "STRATA_PREFILL_RING";
         let w = warnings(&strata, false, set);
-        assert_eq!(w, ["--adapt-every is accepted but has no effect in this build yet", "--pool-workers is accepted but has no effect in this build yet",]);
+        let off = "has no effect without the expert tiers: add --mmap-experts, --resident-cpu-experts or --resident-experts (or --expert-cache N)";
+        assert_eq!(w, [format!("--adapt-every {off}"), format!("--pool-workers {off}"), format!("STRATA_PREFILL_RING is set but {off}")]);
         assert!(warnings(&strata, true, |_| false).is_empty());
+        let (strata, _) = split(&argv("--kv-resident 1024")).unwrap();
+        assert_eq!(warnings(&strata, true, |_| false), ["--kv-resident is accepted but has no effect in this build yet"]);
     }
 
     #[test]
