@@ -251,6 +251,24 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
     }
     let ring_half = ring_half(p, &ranking, budget, max, &mut hot);
+    let n_all = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
+    if let CacheSize::Experts(n) = cfg.cache.clone() {
+        if n > n_all {
+            let line = format!("--expert-cache {n}: the model has {n_all} routed experts (layers x experts); all {n_all} can be hot, so {n_all} is used");
+            crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as i32;
+    let pool_workers = if cfg.pool_workers > cores {
+        let line = format!(
+            "--pool-workers {}: this machine runs {cores} threads at once; workers beyond that only wait on each other, so {cores} are used",
+            cfg.pool_workers
+        );
+        crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
+        cores
+    } else {
+        cfg.pool_workers
+    };
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
@@ -278,7 +296,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     let plan = moe::Plan {
         hot,
         cold,
-        cold_threads: cfg.pool_workers,
+        cold_threads: pool_workers,
         count_only: !cfg.hot_tier,
         stand_in,
         n_used: p.layout.n_expert_used as usize,

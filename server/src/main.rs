@@ -197,7 +197,7 @@ fn serve(
         Ok(h) => h,
         Err(e) => return Err(api::listen::failed(Some(&e.to_string()), &hosts[0], port)),
     };
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let listeners = match api::listen::bind_all(&hosts, port, &http).await {
             Ok(l) => l,
             Err(e) => return Err(api::listen::failed(Some(&format!("{:#}", e.error)), &e.host, port)),
@@ -283,5 +283,10 @@ fn serve(
         log::cleaning_up();
         agent.mcp.close_all().await;
         Ok(())
-    })
+    });
+    // The engine thread drops the model and contexts once the handlers are gone: that must end
+    // before the process exits, or a GPU backend is torn down under it.
+    drop(rt);
+    engine::wait_stopped(std::time::Duration::from_secs(60));
+    served
 }

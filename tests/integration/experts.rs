@@ -680,3 +680,20 @@ fn a_tiered_start_gives_no_advice_that_its_flags_refuse() {
     let plain = Server::start(&["-m", m, "-c", "512", "--cpu-moe"], &[]);
     assert!(plain.log.lock().unwrap().contains(advice), "{}", plain.log.lock().unwrap());
 }
+
+/// A value the server cannot use as given is clamped with a warning that says the value used.
+#[test]
+fn clamped_expert_settings_say_the_value_used() {
+    let m = model(MODEL);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let s = Server::start(&["-m", m.to_str().unwrap(), "-c", "2048", "--mmap-experts", "--expert-cache", "999999", "--pool-workers", "999"], &[]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("--expert-cache 999999: the model has 64 routed experts (layers x experts); all 64 can be hot, so 64 is used"), "{log}");
+    assert!(
+        log.contains(&format!(
+            "--pool-workers 999: this machine runs {cores} threads at once; workers beyond that only wait on each other, so {cores} are used"
+        )),
+        "{log}"
+    );
+    assert!(log.contains("experts: 64 of 64 in the hot tier"), "{log}");
+}

@@ -192,6 +192,25 @@ impl EngineHandle {
 }
 
 /// Starts the engine thread; the model loads on it while the HTTP server already answers.
+/// Engine threads that have not yet dropped their model and contexts.
+static RUNNING: (std::sync::Mutex<usize>, std::sync::Condvar) = (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+/// Waits until every engine thread has ended (their handles dropped), at most `timeout`.
+pub fn wait_stopped(timeout: std::time::Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    let Ok(mut n) = RUNNING.0.lock() else { return };
+    while *n > 0 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        n = match RUNNING.1.wait_timeout(n, left) {
+            Ok((n, _)) => n,
+            Err(_) => return,
+        };
+    }
+}
+
 pub fn spawn(cfg: EngineConfig) -> EngineHandle {
     let admission = Arc::new(Admission::new(cfg.max_queued));
     let (tx, rx) = mpsc::channel(cfg.max_queued.saturating_add(OTHER_JOBS));
@@ -214,7 +233,18 @@ pub fn spawn(cfg: EngineConfig) -> EngineHandle {
         admission: admission.clone(),
     };
     let model_alias = cfg.model_alias.as_str().into();
-    std::thread::Builder::new().name("strata-engine".into()).spawn(move || run(cfg, rx, state_tx, &shared)).expect("spawn engine thread");
+    RUNNING.0.lock().map(|mut n| *n += 1).ok();
+    std::thread::Builder::new()
+        .name("strata-engine".into())
+        .spawn(move || {
+            run(cfg, rx, state_tx, &shared);
+            drop(shared);
+            if let Ok(mut n) = RUNNING.0.lock() {
+                *n -= 1;
+                RUNNING.1.notify_all();
+            }
+        })
+        .expect("spawn engine thread");
     EngineHandle {
         tx,
         state: state_rx,

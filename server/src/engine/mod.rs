@@ -27,5 +27,5 @@ pub use admission::DEFAULT_MAX_QUEUED;
 pub use core::EngineConfig;
 #[cfg(test)]
 pub use embed::normalize_embedding;
-pub use handle::{spawn, EngineHandle, Results};
+pub use handle::{spawn, wait_stopped, EngineHandle, Results};
 pub use task::*;
