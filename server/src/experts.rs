@@ -252,7 +252,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     }
     let ring_half = ring_half(p, &ranking, budget, max, &mut hot);
     let n_all = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
-    if let CacheSize::Experts(n) = cfg.cache.clone() {
+    if let CacheSize::Experts(n) = cfg.cache {
         if n > n_all {
             let line = format!("--expert-cache {n}: the model has {n_all} routed experts (layers x experts); all {n_all} can be hot, so {n_all} is used");
             crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
