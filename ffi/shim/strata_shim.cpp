@@ -1390,7 +1390,12 @@ bool strata_sampler_backend(const strata_sampler * s) {
 }
 
 bool strata_sampler_attach(struct llama_context * ctx, int32_t seq, const strata_sampler * s) {
-    return llama_set_sampler(ctx, seq, s ? common_sampler_get(s->smpl) : nullptr) && s;
+    try {
+        return llama_set_sampler(ctx, seq, s ? common_sampler_get(s->smpl) : nullptr) && s;
+    } catch (...) {
+        // the backend could not take the chain: the CPU samples the sequence
+        return false;
+    }
 }
 
 void strata_sampler_set_argmax(strata_sampler * s, bool enabled) {

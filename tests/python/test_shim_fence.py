@@ -28,6 +28,8 @@ CANNOT_THROW = {
     "strata_logits_argmax": "arithmetic and memcpy over the floats it is given",
     "strata_sampler_set_argmax": "sets a bool",
     "strata_sampler_argmax": "reads a bool",
+    "strata_sampler_backend": "reads the sampler's settings",
+    "strata_backend_samplers_free": "delete of a holder of samplers, noexcept",
 }
 
 
