@@ -124,8 +124,15 @@ fn include_dirs(src: &Path) -> Vec<PathBuf> {
 }
 
 fn build_shim(manifest: &Path, src: &Path) {
+    // Every .cpp in shim/ is one part of the shim; rerun-if-changed on the folder covers them all.
+    let mut parts: Vec<PathBuf> = std::fs::read_dir(manifest.join("shim"))
+        .expect("read the shim directory")
+        .map(|e| e.expect("read a shim directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "cpp"))
+        .collect();
+    parts.sort();
     let mut b = cc::Build::new();
-    b.cpp(true).std("c++17").file(manifest.join("shim/strata_shim.cpp")).warnings(false);
+    b.cpp(true).std("c++17").files(&parts).warnings(false);
     for d in include_dirs(src) {
         b.include(d);
     }
