@@ -234,3 +234,229 @@ impl ByTable {
         }
     }
 }
+
+/// A zero-copy layer on host memory, built the way placement builds one without a GPU: the
+/// layer's experts (2 x 3 f32 each), a hot tier with its pads, the RAM copy with its zero pad
+/// row and the routing log, and the tables.
+#[cfg(test)]
+pub(super) mod on_host {
+    use super::*;
+
+    /// Bytes of one expert of one matrix.
+    pub(crate) const NB2: usize = 2 * 3 * 4;
+
+    pub(crate) struct Layer {
+        pub(crate) zc: ZeroCopy,
+        pub(crate) src: Mats<T>,
+        pub(crate) hot: Mats<T>,
+        pub(crate) copy: Mats<T>,
+        pub(crate) log: T,
+        /// The context of the RAM copy (its matrices, the log and the spare bytes).
+        pub(crate) copy_ctx: *mut sys::ggml_context,
+        pub(crate) owned: Owned,
+    }
+
+    /// `n_hot` hot slots and `n_cold` RAM copy rows of a layer of `n_expert` experts routed
+    /// `n_used` per token; the log holds 9.0 before ZeroCopy::new sees it.
+    pub(crate) fn layer(n_expert: usize, n_hot: usize, n_cold: usize, n_used: usize, il: i32) -> Layer {
+        let mut owned = Owned::default();
+        // SAFETY: no preconditions.
+        let cpu = unsafe { sys::ggml_backend_cpu_buffer_type() };
+        let a = Alloc::new(3);
+        let mat = |name: &str| {
+            // SAFETY: a's context has room for three tensors' metadata.
+            let t = unsafe { sys::ggml_new_tensor_3d(a.ctx, sys::GGML_TYPE_F32, 2, 3, n_expert as i64) };
+            set_name(t, name);
+            t
+        };
+        let src = Mats { up: Some(mat("up")), gate: Some(mat("gate")), down: Some(mat("down")), gate_up: None };
+        a.commit(cpu, &mut owned, "experts").expect("host memory");
+        let a = Alloc::new(6);
+        let hot = src.map(|t| Some(a.like(t, n_hot + n_used, "hot"))).expect("infallible");
+        let tables = src.map(|_| Some(a.table(n_expert, "table"))).expect("infallible");
+        a.commit(cpu, &mut owned, "hot tier").expect("host memory");
+        let a = Alloc::new(5);
+        let copy = src.map(|t| Some(a.like(t, n_cold + 1, "cold"))).expect("infallible");
+        let log = log_tensor(&a, n_used, il);
+        let copy_ctx = a.ctx;
+        a.commit(cpu, &mut owned, "RAM copy").expect("host memory");
+        // SAFETY: log is an allocated f32 tensor in host memory.
+        unsafe { std::slice::from_raw_parts_mut((*log).data.cast::<f32>(), sys::ggml_nelements(log) as usize).fill(9.0) };
+        let zc = ZeroCopy::new(std::ptr::null_mut(), false, &copy, log, (&src, tables, n_expert), il, &mut owned).expect("the CPU path");
+        Layer { zc, src, hot, copy, log, copy_ctx, owned }
+    }
+
+    /// The routing log as the host reads it.
+    pub(crate) fn read_log(log: T) -> Vec<f32> {
+        // SAFETY: log is an allocated f32 tensor in host memory.
+        unsafe { std::slice::from_raw_parts((*log).data.cast::<f32>(), sys::ggml_nelements(log) as usize) }.to_vec()
+    }
+
+    /// Writes `ids` into the log from its start, as a step's kernels do.
+    pub(crate) fn write_log(log: T, ids: &[f32]) {
+        // SAFETY: log is an allocated f32 tensor in host memory; no graph writes it in tests.
+        unsafe { sys::ggml_backend_tensor_set(log, ids.as_ptr().cast(), 0, std::mem::size_of_val(ids)) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_host::{layer, read_log, write_log, NB2};
+    use super::*;
+
+    const N_EXPERT: usize = 5;
+    const N_USED: usize = 2;
+    /// Experts 3 and 1 hot in slots 0 and 1; 2, 4 and 0 cold in rows 0, 1 and 2.
+    const HOT: [i32; N_EXPERT] = [-1, 1, -1, 0, -1];
+    const COLD: [i32; N_EXPERT] = [2, -1, 0, -1, 1];
+
+    /// Fills expert `i` of `t` (all its values) with `value(i)`.
+    fn mark(t: T, value: impl Fn(usize) -> f32) {
+        // SAFETY: t is an allocated f32 tensor in host memory.
+        let (data, n) = unsafe { ((*t).data.cast::<f32>(), (*t).ne[2] as usize) };
+        for i in 0..n {
+            // SAFETY: expert i spans NB2 bytes at i * NB2.
+            unsafe { std::slice::from_raw_parts_mut(data.add(i * NB2 / 4), NB2 / 4).fill(value(i)) };
+        }
+    }
+
+    /// The u64 entries of a [2, n] i32 table.
+    fn entries(table: T, n: usize) -> Vec<u64> {
+        let mut out = vec![0u64; n];
+        // SAFETY: table holds n u64 in a host buffer.
+        unsafe { sys::ggml_backend_tensor_get(table, out.as_mut_ptr().cast(), 0, n * 8) };
+        out
+    }
+
+    /// The values of the expert an entry addresses.
+    fn expert_at(addr: u64) -> Vec<f32> {
+        // SAFETY: the entries address experts of NB2 bytes in the fixture's host buffers.
+        unsafe { std::slice::from_raw_parts(addr as *const f32, NB2 / 4) }.to_vec()
+    }
+
+    fn tensor<'a>(t: T) -> &'a sys::ggml_tensor {
+        // SAFETY: the fixture's tensors live as long as the test that reads them.
+        unsafe { &*t }
+    }
+
+    fn address(t: T, at: usize) -> u64 {
+        // SAFETY: t is live metadata.
+        let p = unsafe { (*t).op_params };
+        u64::from(p[at] as u32) | (u64::from(p[at + 1] as u32) << 32)
+    }
+
+    /// Hot slots and RAM copy rows hold what placement copies there (matrix m's expert e reads
+    /// 100 m + e); pads are zero.
+    fn placed(l: &on_host::Layer) {
+        let slot_of = |slots: &[i32; N_EXPERT], s: usize| slots.iter().position(|&x| x == s as i32);
+        for (m, (h, c)) in l.hot.iter().zip(l.copy.iter()).enumerate() {
+            let v = |e: Option<usize>| e.map_or(0.0, |e| (100 * m + e) as f32);
+            mark(h, |s| v(slot_of(&HOT, s)));
+            mark(c, |r| v(slot_of(&COLD, r)));
+        }
+    }
+
+    #[test]
+    fn each_table_entry_points_at_its_experts_weights_in_the_hot_tier_or_the_ram_copy() {
+        let l = layer(N_EXPERT, 2, 3, N_USED, 7);
+        placed(&l);
+        l.zc.table.write(Some(&l.hot), &l.zc.mats, &HOT, &COLD);
+        for (m, table) in l.zc.table.tables.iter().enumerate() {
+            let at = entries(table, N_EXPERT);
+            for (e, &a) in at.iter().enumerate() {
+                assert_eq!(expert_at(a), vec![(100 * m + e) as f32; NB2 / 4], "matrix {m}, expert {e}");
+            }
+            // SAFETY: live tensors.
+            let (hot_base, copy_base) = unsafe { ((*l.hot.iter().nth(m).unwrap()).data as u64, (*l.copy.iter().nth(m).unwrap()).data as u64) };
+            assert_eq!(at[3], hot_base, "expert 3 in hot slot 0");
+            assert_eq!(at[0], copy_base + 2 * NB2 as u64, "expert 0 in row 2 of the copy");
+        }
+    }
+
+    #[test]
+    fn without_hot_tier_tensors_hot_experts_read_the_copys_zero_pad_row() {
+        let l = layer(N_EXPERT, 2, 3, N_USED, 7);
+        placed(&l);
+        l.zc.table.write(None, &l.zc.mats, &HOT, &COLD);
+        for (m, (table, c)) in l.zc.table.tables.iter().zip(l.copy.iter()).enumerate() {
+            let at = entries(table, N_EXPERT);
+            // SAFETY: live tensor.
+            let pad = unsafe { (*c).data as u64 } + 3 * NB2 as u64;
+            assert_eq!((at[1], at[3]), (pad, pad), "matrix {m}: hot experts at the pad row after the 3 cold ones");
+            assert_eq!(expert_at(pad), vec![0.0; NB2 / 4]);
+            for e in [0, 2, 4] {
+                assert_eq!(expert_at(at[e]), vec![(100 * m + e) as f32; NB2 / 4], "cold expert {e} still at its row");
+            }
+        }
+    }
+
+    #[test]
+    fn the_by_table_tensors_name_their_tables_and_the_down_projection_names_the_log() {
+        let l = layer(N_EXPERT, 2, 3, N_USED, 7);
+        let by_table: Vec<T> = l.zc.table.mats.iter().collect();
+        let tables: Vec<T> = l.zc.table.tables.iter().collect();
+        assert_eq!(by_table.len(), 3, "one per matrix of the layer");
+        for ((&t, &table), s) in by_table.iter().zip(&tables).zip(l.src.iter()) {
+            assert_eq!(address(t, 4), tensor(table).data as u64, "its table's address");
+            let (v, table, s) = (tensor(t), tensor(table), tensor(s));
+            assert_eq!(v.ne[..3], [s.ne[0], s.ne[1], N_EXPERT as i64], "every expert id, shaped like the layer's matrix");
+            assert_eq!((v.data, v.buffer), (table.data, table.buffer), "placed where its table is");
+            // SAFETY: ggml names are NUL-terminated.
+            assert_eq!(unsafe { std::ffi::CStr::from_ptr(v.name.as_ptr()) }.to_str().unwrap(), "blk.7.exps.by_table");
+        }
+        // SAFETY: live tensor.
+        let log = unsafe { (*l.log).data as u64 };
+        let down = l.zc.table.mats.down.expect("a down projection");
+        assert_eq!(address(down, 10), log, "the down projection's kernels write the routing to the log");
+        assert_eq!(address(l.zc.table.mats.up.unwrap(), 10), 0, "only the down projection writes it");
+        // Without a GPU the copy itself serves, for batches up to MAX_TOKENS.
+        assert_eq!(l.zc.mats.down, l.copy.down);
+        assert_eq!(l.zc.max_tokens, MAX_TOKENS);
+    }
+
+    #[test]
+    fn a_new_log_is_empty_and_take_log_reads_each_step_once() {
+        let l = layer(N_EXPERT, 2, 3, N_USED, 7);
+        assert!(read_log(l.log).iter().all(|&v| v == -1.0), "ZeroCopy::new resets what was there");
+        let mut out = vec![42];
+        l.zc.take_log(&mut out);
+        assert_eq!(out, [42], "nothing logged, nothing read");
+        // A step of 2 tokens routed to (3, 0) and (4, 1).
+        write_log(l.log, &[3.0, 0.0, 4.0, 1.0]);
+        l.zc.take_log(&mut out);
+        assert_eq!(out, [42, 3, 0, 4, 1], "appended in the log's order");
+        assert!(read_log(l.log).iter().all(|&v| v == -1.0), "and the log is empty again");
+        l.zc.take_log(&mut out);
+        assert_eq!(out.len(), 5, "a step is read once");
+        // A log whose first entry is empty is taken as empty (a step writes its first id first).
+        write_log(l.log, &[-1.0, 2.0]);
+        l.zc.take_log(&mut out);
+        assert_eq!(out.len(), 5);
+    }
+
+    #[test]
+    fn the_log_holds_max_tokens_of_routing_and_spare_bytes_follow_the_copy() {
+        let l = layer(N_EXPERT, 2, 3, N_USED, 7);
+        // SAFETY: live tensor.
+        let ne = unsafe { (*l.log).ne };
+        assert_eq!((ne[0], ne[1]), (N_USED as i64, MAX_TOKENS));
+        let full: Vec<i32> = (0..N_USED * MAX_TOKENS as usize).map(|i| (i % N_EXPERT) as i32).collect();
+        write_log(l.log, &full.iter().map(|&e| e as f32).collect::<Vec<_>>());
+        let mut out = Vec::new();
+        l.zc.take_log(&mut out);
+        assert_eq!(out, full, "a batch of MAX_TOKENS tokens is read whole");
+        // The spare bytes are in the copy's buffer after its last matrix and the log.
+        let name = std::ffi::CString::new("blk.7.exps.spare").unwrap();
+        // SAFETY: live context and tensors.
+        unsafe {
+            let spare = sys::ggml_get_tensor(l.copy_ctx, name.as_ptr());
+            assert!(!spare.is_null());
+            assert_eq!(sys::ggml_nbytes(spare), SPARE_BYTES as usize);
+            assert_eq!((*spare).buffer, (*l.log).buffer);
+            let buf = (*spare).buffer;
+            let end = sys::ggml_backend_buffer_get_base(buf) as usize + sys::ggml_backend_buffer_get_size(buf);
+            let last = l.copy.iter().map(|t| (*t).data as usize + sys::ggml_nbytes(t)).max().unwrap();
+            assert!(end - last >= SPARE_BYTES as usize, "room for the device's row padding past the last matrix");
+        }
+    }
+}

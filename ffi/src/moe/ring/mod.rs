@@ -16,132 +16,21 @@
 //! layer's window is a host tensor with a ring of its own, copies are memcpy) so the slot
 //! accounting and the graph can be tested where there is no GPU.
 
-use std::collections::HashMap;
+mod copier;
+mod slots;
+
 use std::ffi::c_void;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::types::{Mats, Tally, T};
 use crate::sys;
-
-/// Slots of the two halves of the ring: which (layer, expert) each holds. Pure bookkeeping,
-/// shared by the device ring and the CPU emulation.
-#[derive(Debug)]
-pub struct Slots {
-    half: usize,
-    /// Per half: the ring layer whose experts it holds (None: nothing valid), and per slot the
-    /// expert it holds (-1: none).
-    owner: [Option<usize>; 2],
-    content: [Vec<i32>; 2],
-}
-
-/// Where a batch's used cold experts sit in a half, and what had to be copied for them.
-#[derive(Debug, Default, PartialEq)]
-pub struct Placed {
-    /// (expert, slot within the half) for every wanted expert.
-    pub slot_of: Vec<(i32, usize)>,
-    /// (expert, slot) to copy now.
-    pub copies: Vec<(i32, usize)>,
-    /// Wanted experts that were already there (prefetched).
-    pub hits: usize,
-}
-
-impl Slots {
-    pub fn new(half: usize) -> Self {
-        Self { half, owner: [None, None], content: [vec![-1; half], vec![-1; half]] }
-    }
-
-    /// Slots per half.
-    pub fn half(&self) -> usize {
-        self.half
-    }
-
-    /// Places `wanted` (distinct experts of ring layer `layer`) in half `h`: experts already
-    /// there stay, the others take slots that hold nothing wanted. None if they do not fit.
-    pub fn place(&mut self, h: usize, layer: usize, wanted: &[i32]) -> Option<Placed> {
-        if wanted.len() > self.half {
-            return None;
-        }
-        if self.owner[h] != Some(layer) {
-            self.content[h].iter_mut().for_each(|e| *e = -1);
-            self.owner[h] = Some(layer);
-        }
-        let content = &mut self.content[h];
-        let mut at: HashMap<i32, usize> = HashMap::with_capacity(content.len());
-        for (s, &e) in content.iter().enumerate() {
-            if e >= 0 {
-                at.insert(e, s);
-            }
-        }
-        let mut keep = vec![false; self.half];
-        let mut out = Placed::default();
-        let mut missing = Vec::new();
-        for &e in wanted {
-            match at.get(&e) {
-                Some(&s) => {
-                    keep[s] = true;
-                    out.slot_of.push((e, s));
-                    out.hits += 1;
-                }
-                None => missing.push(e),
-            }
-        }
-        let mut free = (0..self.half).filter(|&s| !keep[s]);
-        for e in missing {
-            let s = free.next()?;
-            content[s] = e;
-            out.slot_of.push((e, s));
-            out.copies.push((e, s));
-        }
-        Some(out)
-    }
-
-    /// Fills half `h` with `experts` of ring layer `layer` ahead of its batch (at most a half;
-    /// the rest are ignored). Returns the copies to make.
-    pub fn prefetch(&mut self, h: usize, layer: usize, experts: &[i32]) -> Vec<(i32, usize)> {
-        if self.owner[h] != Some(layer) {
-            self.content[h].iter_mut().for_each(|e| *e = -1);
-            self.owner[h] = Some(layer);
-        }
-        let content = &mut self.content[h];
-        let present: std::collections::HashSet<i32> = content.iter().copied().filter(|&e| e >= 0).collect();
-        let wanted: Vec<i32> = experts.iter().copied().take(self.half).collect();
-        let wanted_set: std::collections::HashSet<i32> = wanted.iter().copied().collect();
-        let mut free = (0..self.half).filter(|&s| content[s] < 0 || !wanted_set.contains(&content[s])).collect::<Vec<_>>().into_iter();
-        let mut copies = Vec::new();
-        for e in wanted.into_iter().filter(|e| !present.contains(e)) {
-            let Some(s) = free.next() else { break };
-            content[s] = e;
-            copies.push((e, s));
-        }
-        copies
-    }
-
-    /// Forgets what half `h` holds (its copies failed).
-    pub fn invalidate(&mut self, h: usize) {
-        self.owner[h] = None;
-        self.content[h].iter_mut().for_each(|e| *e = -1);
-    }
-}
-
-/// How a prompt batch's used cold experts of one layer go through the ring: pass k computes
-/// `chunks[k]` from half (h + k) % 2, so the copies of pass k + 1 run while pass k computes;
-/// `cpu` are those no pass takes (the CPU part computes them).
-#[derive(Debug, Default, PartialEq)]
-pub struct Waves {
-    pub chunks: Vec<Vec<i32>>,
-    pub cpu: Vec<i32>,
-}
-
-/// Splits `used` (distinct, most selected first) into at most `passes` chunks of a half each.
-pub fn plan_waves(used: &[i32], half: usize, passes: usize) -> Waves {
-    let take = (half * passes.max(1)).min(used.len());
-    let chunks = if half == 0 { Vec::new() } else { used[..take].chunks(half).map(<[i32]>::to_vec).collect() };
-    Waves { chunks, cpu: used[take..].to_vec() }
-}
+use copier::{copier_thread, Copier, Done, Fns, Job, Piece, Staging};
+pub(crate) use slots::bounds;
+pub use slots::{plan_waves, Placed, Slots, Waves};
 
 pub use strata_residency::plan::CostModel;
 
@@ -150,42 +39,6 @@ const PREFETCH_SHARE: f64 = 0.8;
 /// Least chance of use for which an expert is prefetched when the copy budget allows (default).
 pub const PREFETCH_MIN_P: f64 = 0.02;
 
-/// Functions of patches/0002, from the CUDA (or HIP) backend's proc addresses.
-type RingNew = unsafe extern "C" fn(i32, usize) -> *mut c_void;
-type RingFree = unsafe extern "C" fn(*mut c_void);
-type RingSize = unsafe extern "C" fn(*mut c_void) -> usize;
-type WindowNew = unsafe extern "C" fn(*mut c_void, usize) -> sys::ggml_backend_buffer_t;
-type CopyH2d = unsafe extern "C" fn(i32, *mut c_void, *const c_void, usize) -> bool;
-type CopyWait = unsafe extern "C" fn(i32) -> bool;
-
-#[derive(Clone, Copy)]
-struct Fns {
-    ring_new: RingNew,
-    ring_free: RingFree,
-    ring_size: RingSize,
-    window_new: WindowNew,
-    copy_h2d: CopyH2d,
-    copy_wait: CopyWait,
-}
-
-impl Fns {
-    fn load(dev: sys::ggml_backend_dev_t) -> Option<Self> {
-        let get = |name: &std::ffi::CStr| crate::backend::proc_address(dev, name);
-        // SAFETY: each proc address, when present, has the signature patches/0002 gives it and
-        // lives as long as the process.
-        unsafe {
-            Some(Self {
-                ring_new: std::mem::transmute::<*mut c_void, RingNew>(get(c"ggml_backend_cuda_ring_new")?),
-                ring_free: std::mem::transmute::<*mut c_void, RingFree>(get(c"ggml_backend_cuda_ring_free")?),
-                ring_size: std::mem::transmute::<*mut c_void, RingSize>(get(c"ggml_backend_cuda_ring_size")?),
-                window_new: std::mem::transmute::<*mut c_void, WindowNew>(get(c"ggml_backend_cuda_window_new")?),
-                copy_h2d: std::mem::transmute::<*mut c_void, CopyH2d>(get(c"ggml_backend_cuda_copy_h2d")?),
-                copy_wait: std::mem::transmute::<*mut c_void, CopyWait>(get(c"ggml_backend_cuda_copy_wait")?),
-            })
-        }
-    }
-}
-
 /// The device index of a ggml device named like "CUDA0" or "ROCm1".
 pub(crate) fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
     // SAFETY: valid device; the name is a static string.
@@ -193,88 +46,6 @@ pub(crate) fn device_index(dev: sys::ggml_backend_dev_t) -> i32 {
     let digits: String = name.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();
     digits.parse().unwrap_or(0)
 }
-
-/// How copies reach the ring.
-#[derive(Clone, Copy)]
-enum Copier {
-    Device {
-        fns: Fns,
-        dev: i32,
-    },
-    /// CPU emulation: plain memcpy.
-    Host,
-}
-
-impl Copier {
-    fn copy(&self, dst: *mut u8, src: *const u8, n: usize) -> bool {
-        match *self {
-            // SAFETY: dst is a device range of n bytes inside a window; src n readable host bytes.
-            Copier::Device { fns, dev } => unsafe { (fns.copy_h2d)(dev, dst.cast(), src.cast(), n) },
-            Copier::Host => {
-                // SAFETY: as above, both on the host and not overlapping (ring vs source).
-                unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
-                true
-            }
-        }
-    }
-
-    fn wait(&self) -> bool {
-        match *self {
-            // SAFETY: valid device index.
-            Copier::Device { fns, dev } => unsafe { (fns.copy_wait)(dev) },
-            Copier::Host => true,
-        }
-    }
-}
-
-/// One copy of an expert matrix: host source, ring destination.
-#[derive(Clone, Copy)]
-struct Piece {
-    dst: usize,
-    src: usize,
-    bytes: usize,
-}
-
-/// A batch of copies, done when `done` says so.
-struct Job {
-    pieces: Vec<Piece>,
-    /// Gather through the page-locked staging half `h` first (pageable sources).
-    staging: Option<usize>,
-    done: Arc<Done>,
-}
-
-#[derive(Default)]
-pub(crate) struct Done {
-    state: Mutex<Option<bool>>,
-    cv: Condvar,
-}
-
-impl Done {
-    fn set(&self, ok: bool) {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
-        self.cv.notify_all();
-    }
-
-    /// Waits; returns (copies succeeded, whether the caller had to wait).
-    fn wait(&self) -> (bool, bool) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let stalled = s.is_none();
-        while s.is_none() {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-        (s.unwrap_or(false), stalled)
-    }
-}
-
-/// The page-locked staging buffer: one half of the ring's worth of experts per ring half.
-struct Staging {
-    buf: sys::ggml_backend_buffer_t,
-    base: usize,
-    half_bytes: usize,
-}
-
-// SAFETY: the buffer is only written by the copier thread, one job at a time.
-unsafe impl Send for Staging {}
 
 /// Counters for /metrics.
 #[derive(Default)]
@@ -841,76 +612,6 @@ impl RingLayer {
     }
 }
 
-/// Consecutive runs of `items` of at most `pace` bytes each (an item larger than that alone),
-/// or all of them as one run without a pace.
-fn paced<T>(items: &[T], bytes: impl Fn(&T) -> usize, pace: Option<usize>) -> Vec<&[T]> {
-    let Some(limit) = pace else { return vec![items] };
-    let mut runs = Vec::new();
-    let (mut start, mut sum) = (0, 0);
-    for (i, it) in items.iter().enumerate() {
-        if i > start && sum + bytes(it) > limit {
-            runs.push(&items[start..i]);
-            (start, sum) = (i, 0);
-        }
-        sum += bytes(it);
-    }
-    if start < items.len() {
-        runs.push(&items[start..]);
-    }
-    runs
-}
-
-/// Where a job's pieces go in the staging buffer: packed from the start of half `h`, every job
-/// into the same addresses (the buffer is allocated once), as many pieces as the half holds.
-fn stage(pieces: &[Piece], base: usize, half_bytes: usize, h: usize) -> Vec<(usize, Piece)> {
-    let mut off = 0usize;
-    let mut staged = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        if off + p.bytes > half_bytes {
-            break;
-        }
-        staged.push((base + h * half_bytes + off, *p));
-        off += p.bytes;
-    }
-    staged
-}
-
-fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>, pace: Option<usize>) {
-    let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
-    while let Ok(job) = rx.recv() {
-        // Paced, other host-to-device copies (a batch's ids) queue behind one run, not the whole job.
-        let ok = match (&staging, job.staging) {
-            (Some(st), Some(h)) => {
-                // Gather into staging half h (parallel reads of the pageable source), then copy.
-                let staged = stage(&job.pieces, st.base, st.half_bytes, h);
-                let fits = staged.len() == job.pieces.len();
-                let chunk = staged.len().div_ceil(gather_threads).max(1);
-                std::thread::scope(|s| {
-                    for part in staged.chunks(chunk) {
-                        s.spawn(move || {
-                            for &(at, p) in part {
-                                // SAFETY: staging and source ranges are valid and disjoint.
-                                unsafe { std::ptr::copy_nonoverlapping(p.src as *const u8, at as *mut u8, p.bytes) };
-                            }
-                        });
-                    }
-                });
-                fits && paced(&staged, |s| s.1.bytes, pace)
-                    .into_iter()
-                    .all(|run| run.iter().all(|&(at, p)| copier.copy(p.dst as *mut u8, at as *const u8, p.bytes)) && copier.wait())
-            }
-            _ => paced(&job.pieces, |p| p.bytes, pace)
-                .into_iter()
-                .all(|run| run.iter().all(|p| copier.copy(p.dst as *mut u8, p.src as *const u8, p.bytes)) && copier.wait()),
-        };
-        job.done.set(ok);
-    }
-    if let Some(st) = staging {
-        // SAFETY: allocated in start, freed once when the ring goes away.
-        unsafe { sys::ggml_backend_buffer_free(st.buf) };
-    }
-}
-
 /// The most passes a layer's graph may have (one fill function each).
 pub const MAX_PASSES: usize = 8;
 
@@ -923,82 +624,9 @@ pub const DEFAULT_PASSES: usize = 4;
 /// H100 at 12 GiB, -ub 4096: 19-30% more prefill than unpaced in the same lease).
 pub const DEVICE_PACE: usize = 16 << 20;
 
-/// The bounds of a batch's window slots for the backend: the selections of the most used slot,
-/// and one past the largest slot.
-pub(crate) fn bounds(slots: &[i32]) -> (i32, i32) {
-    let n_as = slots.iter().copied().max().map_or(0, |m| m + 1).max(0);
-    let mut counts = vec![0i32; n_as as usize];
-    for &s in slots {
-        if let Ok(s) = usize::try_from(s) {
-            counts[s] += 1;
-        }
-    }
-    (counts.into_iter().max().unwrap_or(0), n_as)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn every_job_reuses_the_staging_half_it_copies_through() {
-        let piece = |src, bytes| Piece { dst: 0, src, bytes };
-        let (base, half) = (1 << 20, 100);
-        let a = stage(&[piece(7, 40), piece(9, 40)], base, half, 0);
-        let b = stage(&[piece(3, 30), piece(5, 30), piece(8, 30)], base, half, 0);
-        assert_eq!(a.iter().map(|s| s.0).collect::<Vec<_>>(), [base, base + 40]);
-        assert_eq!(b.iter().map(|s| s.0).collect::<Vec<_>>(), [base, base + 30, base + 60], "the next job packs from the same start");
-        let other = stage(&[piece(7, 100)], base, half, 1);
-        assert_eq!(other[0].0, base + half, "the other half does not overlap the first");
-        assert_eq!(stage(&[piece(1, 60), piece(2, 60)], base, half, 0).len(), 1, "what a half cannot hold is not staged");
-    }
-
-    #[test]
-    fn paced_runs_stay_within_the_pace_in_order() {
-        let sizes = [3usize, 3, 3, 10, 1, 1];
-        let runs = |pace| -> Vec<Vec<usize>> { paced(&sizes, |&b| b, pace).into_iter().map(<[usize]>::to_vec).collect() };
-        assert_eq!(runs(None), vec![sizes.to_vec()], "no pace: one run");
-        assert_eq!(runs(Some(6)), vec![vec![3, 3], vec![3], vec![10], vec![1, 1]], "a piece over the pace goes alone");
-        assert_eq!(runs(Some(100)), vec![sizes.to_vec()]);
-        assert!(paced::<usize>(&[], |&b| b, Some(4)).is_empty());
-    }
-
-    #[test]
-    fn bounds_are_the_busiest_slot_and_one_past_the_largest() {
-        assert_eq!(bounds(&[3, 0, 3, 7, 3, 0]), (3, 8));
-        assert_eq!(bounds(&[5]), (1, 6));
-        assert_eq!(bounds(&[]), (0, 0));
-    }
-
-    #[test]
-    fn waves_take_a_half_per_pass_and_leave_the_rest_to_the_cpu() {
-        let used = [9, 4, 7, 1, 3, 8, 2];
-        assert_eq!(plan_waves(&used, 3, 1), Waves { chunks: vec![vec![9, 4, 7]], cpu: vec![1, 3, 8, 2] });
-        assert_eq!(plan_waves(&used, 3, 2), Waves { chunks: vec![vec![9, 4, 7], vec![1, 3, 8]], cpu: vec![2] });
-        assert_eq!(plan_waves(&used, 3, 4), Waves { chunks: vec![vec![9, 4, 7], vec![1, 3, 8], vec![2]], cpu: vec![] });
-        assert_eq!(plan_waves(&[], 3, 4), Waves::default(), "nothing used, no pass");
-        assert_eq!(plan_waves(&used, 0, 4).cpu, used.to_vec(), "no ring, all on the CPU");
-    }
-
-    /// The ring's bookkeeping over a layer in waves, then the next layer: a pass's chunk lands in
-    /// its half while the previous pass's half is reused, and a half another layer took is
-    /// copied afresh.
-    #[test]
-    fn passes_alternate_halves_and_reuse_slots() {
-        let mut s = Slots::new(2);
-        // Layer 0 (half 0): pass 0 takes 2 experts in half 0, pass 1 copies 2 more into half 1 ahead.
-        let p0 = s.place(0, 0, &[10, 11]).expect("fits");
-        let p1 = s.place(1, 0, &[12, 13]).expect("fits");
-        assert_eq!((p0.copies.len(), p1.copies.len()), (2, 2));
-        // Pass 2 reuses half 0 (pass 0 has computed): only the new expert is copied.
-        let p2 = s.place(0, 0, &[14, 10]).expect("fits");
-        assert_eq!((p2.hits, p2.copies), (1, vec![(14, 1)]), "10 stays where it is, 14 takes 11's slot");
-        // Pass 1's half then serves layer 1 (half 1): its content was layer 0's, so all is copied.
-        let q = s.place(1, 1, &[12]).expect("fits");
-        assert_eq!((q.hits, q.copies.len()), (0, 1));
-        // The next batch's pass 0 of layer 0 finds half 0 as pass 2 left it.
-        assert_eq!(s.place(0, 0, &[10, 14]).expect("fits").hits, 2);
-    }
 
     /// An emulated ring of 2 slots a half over one layer of 8 one-word experts (0 and 1 hot in
     /// slots 0 and 1, pads in 2 and 3, the ring from slot 4), with the cold experts' words in a
@@ -1101,57 +729,6 @@ mod tests {
         b.ring.fill(0, 0, 1, &SEL, &mut out).expect("again");
         assert_eq!(b.ring.stats.fills.load(Ordering::Relaxed), fills);
         assert_eq!(b.ring.stats.hits.load(Ordering::Relaxed), 2);
-    }
-
-    #[test]
-    fn a_half_takes_what_fits_and_refuses_more() {
-        let mut s = Slots::new(4);
-        let p = s.place(0, 0, &[7, 3, 9]).expect("fits");
-        assert_eq!(p.copies, vec![(7, 0), (3, 1), (9, 2)]);
-        assert_eq!(p.hits, 0);
-        assert!(s.place(0, 0, &[1, 2, 3, 4, 5]).is_none());
-    }
-
-    #[test]
-    fn prefetched_experts_are_hits_and_only_misses_are_copied() {
-        let mut s = Slots::new(4);
-        assert_eq!(s.prefetch(1, 3, &[10, 11, 12]), vec![(10, 0), (11, 1), (12, 2)]);
-        let p = s.place(1, 3, &[12, 40, 10]).expect("fits");
-        assert_eq!(p.hits, 2);
-        assert_eq!(p.copies, vec![(40, 1)], "the unused prefetched slot is reused first");
-        let mut slots: Vec<_> = p.slot_of.clone();
-        slots.sort();
-        assert_eq!(slots, vec![(10, 0), (12, 2), (40, 1)]);
-    }
-
-    #[test]
-    fn another_layer_in_the_half_invalidates_it() {
-        let mut s = Slots::new(2);
-        s.prefetch(0, 0, &[1, 2]);
-        let p = s.place(0, 2, &[1]).expect("fits");
-        assert_eq!(p.hits, 0, "layer 2 does not hit layer 0's experts");
-        assert_eq!(p.copies, vec![(1, 0)]);
-        let again = s.place(0, 2, &[1]).expect("fits");
-        assert_eq!((again.hits, again.copies.len()), (1, 0), "a second batch of the same layer reuses the slot");
-    }
-
-    #[test]
-    fn halves_are_independent_and_invalidate_forgets() {
-        let mut s = Slots::new(2);
-        s.place(0, 0, &[5, 6]).expect("fits");
-        s.place(1, 1, &[5, 6]).expect("fits");
-        assert_eq!(s.place(0, 0, &[5, 6]).expect("fits").hits, 2);
-        s.invalidate(0);
-        assert_eq!(s.place(0, 0, &[5]).expect("fits").copies, vec![(5, 0)]);
-        assert_eq!(s.place(1, 1, &[6]).expect("fits").hits, 1);
-    }
-
-    #[test]
-    fn prefetch_keeps_what_is_there_and_stops_at_the_half() {
-        let mut s = Slots::new(3);
-        s.prefetch(0, 0, &[1, 2]);
-        let c = s.prefetch(0, 0, &[2, 3, 4, 5]);
-        assert_eq!(c, vec![(3, 0), (4, 2)], "2 stays; 1 (not wanted) gives its slot up; 5 does not fit");
     }
 
     #[test]
