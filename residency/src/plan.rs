@@ -17,6 +17,141 @@ use crate::profile::Profile;
 /// Hot experts per layer, as (layer, experts in ranking order).
 pub type Hot = Vec<(i32, Vec<u32>)>;
 
+/// --expert-cache: what VRAM allows, or a number of experts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Cache {
+    Auto,
+    Experts(u64),
+}
+
+/// Where the cold experts are read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColdCopy {
+    /// Where llama.cpp put them (the file mapping with mmap).
+    Mapped,
+    /// A pageable RAM copy.
+    Ram,
+    /// A page-locked RAM copy (the GPU backend's host buffer type).
+    PinnedRam,
+}
+
+/// VRAM an automatic hot tier leaves free beyond --vram-reserve-mib: the compute buffer of the
+/// tiered graph and the GPU library's workspaces may grow past what the context reserved.
+pub const AUTO_MARGIN: u64 = 512 << 20;
+
+/// The machine a placement is decided for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Machine {
+    /// A GPU backend holds the hot tier (else there is none, unless the ring is emulated).
+    pub gpu: bool,
+    /// VRAM free once the model, KV cache and compute buffers are allocated.
+    pub free_vram: u64,
+    /// Threads the machine runs at once.
+    pub cores: i32,
+    /// The prefill ring is emulated on the host (tests and experiments).
+    pub emulate_ring: bool,
+}
+
+/// Everything the placement is decided from: the model, its profile, the flags, the machine.
+#[derive(Clone, Debug)]
+pub struct Inputs<'a> {
+    pub layout: &'a ExpertLayout,
+    pub profile: Option<&'a Profile>,
+    /// A hot tier is wanted (else selections are only counted).
+    pub hot_tier: bool,
+    pub cache: Cache,
+    pub cold: ColdCopy,
+    pub vram_reserve: u64,
+    pub pcie_frac: f64,
+    pub adapt_every: u64,
+    /// STRATA_PREFILL_RING (None: sized automatically; 0: off).
+    pub ring_slots: Option<usize>,
+    pub pool_workers: i32,
+    pub machine: Machine,
+}
+
+/// The placement decided: what the mechanism is asked to build, and what start-up says.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// The hot tier's byte budget and expert count (u64::MAX: no bound).
+    pub budget: u64,
+    pub max: u64,
+    pub ranking: Vec<(u32, u32)>,
+    pub hot: Hot,
+    /// Hot experts every layer keeps for adaptation (0: no floor).
+    pub floor: usize,
+    /// Slots per half of the prefill ring (0: no ring).
+    pub ring_half: usize,
+    pub pool_workers: i32,
+    /// Bytes the RAM copy of the cold experts takes (0 with the file mapping).
+    pub cold_copy_bytes: u64,
+    pub stand_in: Vec<(i32, u32)>,
+    pub cold_share: Vec<(i32, f64)>,
+    /// Settings used otherwise than given, each a start-up warning that says the value used.
+    pub clamps: Vec<String>,
+}
+
+/// Zero pads per routing position (with --pcie-frac also as many staging slots and their pads).
+pub fn pads_per_layer(layout: &ExpertLayout, pcie_frac: f64) -> u64 {
+    let per_pos = if pcie_frac > 0.0 { 3 } else { 1 };
+    per_pos * u64::from(layout.n_expert_used)
+}
+
+/// The whole placement policy: the hot tier's budget, the ranking (with a floor per layer when
+/// a profile's placement adapts), the hot experts, the ring, the CPU pool, the RAM copy's size,
+/// the stand-ins and the cold shares.
+pub fn decide(i: &Inputs) -> Decision {
+    let layout = i.layout;
+    let mut clamps = Vec::new();
+    let (budget, max) = match i.cache {
+        _ if !i.hot_tier => (0, 0),
+        Cache::Experts(n) => (u64::MAX, n),
+        Cache::Auto if i.machine.gpu => (i.machine.free_vram.saturating_sub(i.vram_reserve).saturating_sub(AUTO_MARGIN), u64::MAX),
+        Cache::Auto => (0, 0),
+    };
+    let n_all = layout.layers.len() as u64 * u64::from(layout.n_expert);
+    if let (true, Cache::Experts(n)) = (i.hot_tier, i.cache) {
+        if n > n_all {
+            clamps.push(format!("--expert-cache {n}: the model has {n_all} routed experts (layers x experts); all {n_all} can be hot, so {n_all} is used"));
+        }
+    }
+    let pads = pads_per_layer(layout, i.pcie_frac);
+    let mut ranking = ranking(layout, i.profile);
+    let mut hot = choose(layout, &ranking, budget, max, pads);
+    let floor = if i.adapt_every > 0 && i.profile.is_some() { adapt_floor(&hot) } else { 0 };
+    if hot.iter().any(|(_, h)| h.len() < floor) {
+        ranking = with_floor(&ranking, floor);
+        hot = choose(layout, &ranking, budget, max, pads);
+    }
+    let ring_on = i.hot_tier && i.ring_slots != Some(0) && (i.machine.gpu || i.machine.emulate_ring);
+    let ring_half = if ring_on { ring_half(layout, &ranking, RingRequest { slots: i.ring_slots, budget, max, pads_per_layer: pads }, &mut hot) } else { 0 };
+    let pool_workers = if i.pool_workers > i.machine.cores {
+        let cores = i.machine.cores;
+        clamps.push(format!(
+            "--pool-workers {}: this machine runs {cores} threads at once; workers beyond that only wait on each other, so {cores} are used",
+            i.pool_workers
+        ));
+        cores
+    } else {
+        i.pool_workers
+    };
+    let cold_copy_bytes = match i.cold {
+        ColdCopy::Mapped => 0,
+        // each layer's copy holds its cold experts and one zero row
+        ColdCopy::Ram | ColdCopy::PinnedRam => layout
+            .layers
+            .iter()
+            .map(|l| {
+                let n_hot = hot.iter().find(|(il, _)| *il == l.layer as i32).map_or(0, |(_, h)| h.len() as u64);
+                (u64::from(layout.n_expert) - n_hot + 1) * l.expert_bytes()
+            })
+            .sum(),
+    };
+    let stand_in = stand_ins(&ranking, &hot);
+    let cold_share = i.profile.map(|prof| cold_shares(prof, &hot)).unwrap_or_default();
+    Decision { budget, max, ranking, hot, floor, ring_half, pool_workers, cold_copy_bytes, stand_in, cold_share, clamps }
+}
+
 /// (layer, expert) in the order the hot tier is filled: the profile's ranking, or without one
 /// expert 0 of every layer, then expert 1 of every layer, and so on.
 pub fn ranking(layout: &ExpertLayout, profile: Option<&Profile>) -> Vec<(u32, u32)> {
@@ -330,5 +465,89 @@ mod tests {
         assert!(!batch_prefers_ring(&no_handoff, 4096.0, 8.0, 0.0012, even()));
         // One token's handful of selections stays on the CPU.
         assert!(!batch_prefers_ring(&m, 1.0, 8.0, 0.0012, even()));
+    }
+
+    fn inputs<'a>(lay: &'a ExpertLayout, prof: Option<&'a Profile>) -> Inputs<'a> {
+        Inputs {
+            layout: lay,
+            profile: prof,
+            hot_tier: true,
+            cache: Cache::Auto,
+            cold: ColdCopy::Mapped,
+            vram_reserve: 0,
+            pcie_frac: 0.0,
+            adapt_every: 0,
+            ring_slots: None,
+            pool_workers: 0,
+            machine: Machine { gpu: true, free_vram: AUTO_MARGIN + 1000, cores: 4, emulate_ring: false },
+        }
+    }
+
+    #[test]
+    fn an_automatic_budget_is_free_vram_less_the_reserve_and_the_margin() {
+        let lay = layout(2, 8);
+        let d = decide(&Inputs { ring_slots: Some(0), ..inputs(&lay, None) });
+        assert_eq!((d.budget, d.max), (1000, u64::MAX));
+        // two layers, each paying 2 pads with its first expert: (1+2)*100 + 100*k within 1000
+        assert_eq!(d.hot.iter().map(|(_, h)| h.len()).sum::<usize>(), 6, "{:?}", d.hot);
+        let d = decide(&Inputs { vram_reserve: 600, ring_slots: Some(0), ..inputs(&lay, None) });
+        assert_eq!(d.budget, 400);
+        assert_eq!(d.hot.iter().map(|(_, h)| h.len()).sum::<usize>(), 1, "one expert and its pads: {:?}", d.hot);
+        let no_gpu = Machine { gpu: false, ..inputs(&lay, None).machine };
+        let d = decide(&Inputs { machine: no_gpu, ..inputs(&lay, None) });
+        assert_eq!((d.budget, d.max, d.ring_half), (0, 0, 0));
+        assert!(d.hot.iter().all(|(_, h)| h.is_empty()));
+        let d = decide(&Inputs { hot_tier: false, cache: Cache::Experts(4), ..inputs(&lay, None) });
+        assert_eq!((d.budget, d.max), (0, 0), "counting only: no hot tier whatever the cache says");
+    }
+
+    #[test]
+    fn a_cache_or_pool_past_what_exists_is_clamped_with_the_value_used() {
+        let lay = layout(2, 4);
+        let d = decide(&Inputs { cache: Cache::Experts(100), pool_workers: 9, ..inputs(&lay, None) });
+        assert_eq!(d.pool_workers, 4);
+        assert_eq!(d.hot.iter().map(|(_, h)| h.len()).sum::<usize>(), 8, "every expert hot");
+        assert!(d.clamps[0].starts_with("--expert-cache 100:") && d.clamps[0].ends_with("so 8 is used"), "{:?}", d.clamps);
+        assert!(d.clamps[1].starts_with("--pool-workers 9:") && d.clamps[1].ends_with("so 4 are used"), "{:?}", d.clamps);
+        assert!(decide(&Inputs { cache: Cache::Experts(8), pool_workers: 4, ..inputs(&lay, None) }).clamps.is_empty());
+    }
+
+    #[test]
+    fn an_adapting_profile_placement_gets_a_floor_in_every_layer() {
+        let lay = layout(2, 4);
+        let p = profile(&[(0, 0, 9), (0, 1, 8), (0, 2, 7), (0, 3, 6), (1, 0, 1)]);
+        let fixed = decide(&Inputs { cache: Cache::Experts(4), ..inputs(&lay, Some(&p)) });
+        assert_eq!(fixed.hot, vec![(0, vec![0, 1, 2, 3]), (1, vec![])]);
+        assert_eq!(fixed.floor, 0);
+        assert_eq!(fixed.cold_share, vec![(0, 0.0), (1, 1.0)]);
+        let adapting = decide(&Inputs { cache: Cache::Experts(4), adapt_every: 8, ..inputs(&lay, Some(&p)) });
+        assert_eq!(adapting.floor, 1);
+        assert_eq!(adapting.hot, vec![(0, vec![0, 1, 2]), (1, vec![0])]);
+        assert_eq!(adapting.stand_in, vec![(0, 3)], "layer 1 has no cold expert in the ranking");
+    }
+
+    #[test]
+    fn the_ring_needs_a_gpu_or_its_emulation_and_is_off_at_zero_slots() {
+        let lay = layout(2, 8);
+        let cpu = Machine { gpu: false, ..inputs(&lay, None).machine };
+        let d = decide(&Inputs { cache: Cache::Experts(4), machine: cpu, ..inputs(&lay, None) });
+        assert_eq!(d.ring_half, 0);
+        let emulated = Machine { emulate_ring: true, ..cpu };
+        let d = decide(&Inputs { cache: Cache::Experts(4), machine: emulated, ..inputs(&lay, None) });
+        assert_eq!(d.ring_half, 6, "the largest cold tier of a layer: 8 - 2");
+        let d = decide(&Inputs { cache: Cache::Experts(4), machine: emulated, ring_slots: Some(4), ..inputs(&lay, None) });
+        assert_eq!(d.ring_half, 2);
+        let d = decide(&Inputs { cache: Cache::Experts(4), machine: emulated, ring_slots: Some(0), ..inputs(&lay, None) });
+        assert_eq!(d.ring_half, 0);
+    }
+
+    #[test]
+    fn the_ram_copy_holds_each_layers_cold_experts_and_a_zero_row() {
+        let lay = layout(2, 8);
+        let d = decide(&Inputs { cache: Cache::Experts(3), cold: ColdCopy::PinnedRam, ring_slots: Some(0), ..inputs(&lay, None) });
+        // 3 hot (2 + 1): layer 0 keeps 6 cold + pad, layer 1 keeps 7 cold + pad
+        assert_eq!(d.cold_copy_bytes, (7 + 8) * 100);
+        assert_eq!(decide(&Inputs { cold: ColdCopy::Mapped, ..inputs(&lay, None) }).cold_copy_bytes, 0);
+        assert_eq!(pads_per_layer(&lay, 0.5), 6, "--pcie-frac adds staging slots and their pads");
     }
 }

@@ -13,15 +13,12 @@ use strata_ffi::moe::{self, ColdCopy, Placement, Tier};
 use strata_ffi::Model;
 use strata_residency::gguf::{self, ExpertLayout};
 use strata_residency::memguard::{self, CopyKind};
-use strata_residency::plan;
+use strata_residency::plan::{self, AUTO_MARGIN};
 use strata_residency::profile::Profile;
 
+use crate::cli::env::Settings;
 use crate::cli::flags::{CacheSize, StrataArgs};
 use crate::engine::metrics::{strata_family, strata_line, strata_lines};
-
-/// VRAM kept free beyond --vram-reserve-mib: the compute buffer of the tiered graph and the
-/// GPU library's workspaces may grow past what the context reserved.
-const AUTO_MARGIN: u64 = 512 << 20;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ExpertConfig {
@@ -48,7 +45,7 @@ pub struct ExpertConfig {
 
 impl ExpertConfig {
     /// The expert flags, or None when none is given (llama.cpp then places experts itself).
-    pub fn from_args(a: &StrataArgs) -> Result<Option<Self>, String> {
+    pub fn from_args(a: &StrataArgs, env: &Settings) -> Result<Option<Self>, String> {
         let hot_tier = a.mmap_experts || a.resident_cpu_experts || a.resident_experts || a.expert_profile.is_some() || a.expert_cache.is_some();
         if !hot_tier && a.expert_profile_out.is_none() {
             return Ok(None);
@@ -63,16 +60,11 @@ impl ExpertConfig {
             vram_reserve_mib: a.vram_reserve_mib.unwrap_or(0),
             pcie_frac: a.pcie_frac.unwrap_or(0.0),
             adapt_every: a.adapt_every.unwrap_or(0),
-            ring_slots: match std::env::var("STRATA_PREFILL_RING") {
-                Ok(v) if !v.trim().is_empty() => {
-                    Some(v.trim().parse().map_err(|_| format!("STRATA_PREFILL_RING: invalid value '{v}': expected a number of slots (0 turns the ring off)"))?)
-                }
-                _ => None,
-            },
+            ring_slots: env.prefill_ring,
             record: a.expert_profile_out.clone(),
             hot_tier,
-            memguard_root: std::env::var_os("STRATA_MEMGUARD_ROOT").map_or_else(|| PathBuf::from("/"), PathBuf::from),
-            lab: crate::cli::lab::from_env()?,
+            memguard_root: env.memguard_root.clone(),
+            lab: env.lab.clone(),
         };
         if cfg.resident_cpu && cfg.profile.is_none() && cfg.adapt_every == 0 {
             return Err(
@@ -163,27 +155,6 @@ fn gib(b: u64) -> String {
     format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
-/// The placement policy's ranking for this model and profile.
-fn ranking(p: &Prepared) -> Vec<(u32, u32)> {
-    plan::ranking(&p.layout, p.profile.as_ref())
-}
-
-/// Zero pads per routing position (with --pcie-frac also as many staging slots and their pads).
-fn pads_per_layer(p: &Prepared) -> u64 {
-    let per_pos = if p.cfg.pcie_frac > 0.0 { 3 } else { 1 };
-    per_pos * u64::from(p.layout.n_expert_used)
-}
-
-/// Slots per half of the prefill ring (0: none; see plan::ring_half), which may re-choose `hot`.
-fn ring_half(p: &Prepared, ranking: &[(u32, u32)], budget: u64, max: u64, hot: &mut plan::Hot) -> usize {
-    let cfg = &p.cfg;
-    if !cfg.hot_tier || cfg.ring_slots == Some(0) || !(moe::has_gpu() || cfg.lab.emulate_ring) {
-        return 0;
-    }
-    let req = plan::RingRequest { slots: cfg.ring_slots, budget, max, pads_per_layer: pads_per_layer(p) };
-    plan::ring_half(&p.layout, ranking, req, hot)
-}
-
 /// `p` restricted to the layers whose experts llama.cpp loaded, and the MTP layers it left out:
 /// it loads those only for MTP drafting. Any other layer missing, or loaded otherwise than the
 /// file says, is an error.
@@ -233,74 +204,52 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     }
     let cfg = &p.cfg;
     let (free, total, dev) = moe::hot_device_memory(main_gpu);
-    let (budget, max) = if !cfg.hot_tier {
-        (0, 0)
-    } else {
-        match cfg.cache {
-            CacheSize::Experts(n) => (u64::MAX, n),
-            CacheSize::Auto if moe::has_gpu() => (free.saturating_sub(cfg.vram_reserve_mib << 20).saturating_sub(AUTO_MARGIN), u64::MAX),
-            CacheSize::Auto => (0, 0),
-        }
-    };
-    let mut ranking = ranking(p);
-    let mut hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
-    // Adaptation moves experts within a layer: a profile's placement gives every layer a floor.
-    let floor = if cfg.adapt_every > 0 && p.profile.is_some() { plan::adapt_floor(&hot) } else { 0 };
-    if hot.iter().any(|(_, h)| h.len() < floor) {
-        ranking = plan::with_floor(&ranking, floor);
-        hot = plan::choose(&p.layout, &ranking, budget, max, pads_per_layer(p));
-    }
-    let ring_half = ring_half(p, &ranking, budget, max, &mut hot);
-    let n_all = p.layout.layers.len() as u64 * u64::from(p.layout.n_expert);
-    if let CacheSize::Experts(n) = cfg.cache {
-        if n > n_all {
-            let line = format!("--expert-cache {n}: the model has {n_all} routed experts (layers x experts); all {n_all} can be hot, so {n_all} is used");
-            crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
-        }
-    }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as i32;
-    let pool_workers = if cfg.pool_workers > cores {
-        let line = format!(
-            "--pool-workers {}: this machine runs {cores} threads at once; workers beyond that only wait on each other, so {cores} are used",
-            cfg.pool_workers
-        );
-        crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
-        cores
-    } else {
-        cfg.pool_workers
-    };
     let cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
         (true, true) => ColdCopy::PinnedRam,
     };
+    let d = plan::decide(&plan::Inputs {
+        layout: &p.layout,
+        profile: p.profile.as_ref(),
+        hot_tier: cfg.hot_tier,
+        cache: match cfg.cache {
+            CacheSize::Auto => plan::Cache::Auto,
+            CacheSize::Experts(n) => plan::Cache::Experts(n),
+        },
+        cold,
+        vram_reserve: cfg.vram_reserve_mib << 20,
+        pcie_frac: cfg.pcie_frac,
+        adapt_every: cfg.adapt_every,
+        ring_slots: cfg.ring_slots,
+        pool_workers: cfg.pool_workers,
+        machine: plan::Machine {
+            gpu: moe::has_gpu(),
+            free_vram: free,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()) as i32,
+            emulate_ring: cfg.lab.emulate_ring,
+        },
+    });
+    for line in &d.clamps {
+        crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", line);
+    }
     if cold != ColdCopy::Mapped {
-        let bytes: u64 = p
-            .layout
-            .layers
-            .iter()
-            .map(|l| {
-                let n_hot = hot.iter().find(|(il, _)| *il == l.layer as i32).map_or(0, |(_, h)| h.len() as u64);
-                (u64::from(p.layout.n_expert) - n_hot + 1) * l.expert_bytes()
-            })
-            .sum();
         let root = &cfg.memguard_root;
         let kind = if cfg.pinned { CopyKind::PageLocked } else { CopyKind::Pageable };
         let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
         let report = memguard::measure(root).map_err(|e| format!("{flag}: {e}"))?;
-        report.admit(bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
+        report.admit(d.cold_copy_bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
         crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &report.summary().to_string());
     }
-    let stand_in = plan::stand_ins(&ranking, &hot);
-    let cold_share = p.profile.as_ref().map(|prof| plan::cold_shares(prof, &hot)).unwrap_or_default();
+    let (floor, ring_half) = (d.floor, d.ring_half);
     let plan = moe::Plan {
-        hot,
+        hot: d.hot,
         cold,
-        cold_threads: pool_workers,
+        cold_threads: d.pool_workers,
         count_only: !cfg.hot_tier,
-        stand_in,
+        stand_in: d.stand_in,
         n_used: p.layout.n_expert_used as usize,
-        cold_share,
+        cold_share: d.cold_share,
         pcie_frac: cfg.pcie_frac,
         ring_half,
         adapt: (cfg.adapt_every > 0).then(|| moe::adapt::AdaptPlan {
@@ -514,24 +463,30 @@ mod tests {
 
     #[test]
     fn no_expert_flag_leaves_llama_cpp_alone() {
-        assert_eq!(ExpertConfig::from_args(&args(&["--pool-workers", "4"])).unwrap(), None);
+        assert_eq!(ExpertConfig::from_args(&args(&["--pool-workers", "4"]), &Settings::default()).unwrap(), None);
     }
 
     #[test]
     fn flags_parse_and_resident_needs_a_profile() {
-        let c = ExpertConfig::from_args(&args(&["--mmap-experts", "--expert-cache", "100", "--pool-workers", "15", "--vram-reserve-mib", "1024"]))
-            .unwrap()
-            .unwrap();
+        let c = ExpertConfig::from_args(
+            &args(&["--mmap-experts", "--expert-cache", "100", "--pool-workers", "15", "--vram-reserve-mib", "1024"]),
+            &Settings::default(),
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(c.cache, CacheSize::Experts(100));
         assert_eq!((c.pool_workers, c.vram_reserve_mib), (15, 1024));
-        let e = ExpertConfig::from_args(&args(&["--resident-cpu-experts"])).unwrap_err();
+        let e = ExpertConfig::from_args(&args(&["--resident-cpu-experts"]), &Settings::default()).unwrap_err();
         assert!(e.contains("--expert-profile"), "{e}");
-        let c = ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "8"])).unwrap().unwrap();
+        let c = ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "8"]), &Settings::default()).unwrap().unwrap();
         assert_eq!(c.adapt_every, 8);
-        assert!(ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "0"])).is_err(), "0 is off: a profile is needed");
-        let e = ExpertConfig::from_args(&args(&["--mmap-experts", "--adapt-every", "8"])).unwrap_err();
+        assert!(
+            ExpertConfig::from_args(&args(&["--resident-cpu-experts", "--adapt-every", "0"]), &Settings::default()).is_err(),
+            "0 is off: a profile is needed"
+        );
+        let e = ExpertConfig::from_args(&args(&["--mmap-experts", "--adapt-every", "8"]), &Settings::default()).unwrap_err();
         assert!(e.contains("--adapt-every") && e.contains("--resident-experts"), "{e}");
-        let c = ExpertConfig::from_args(&args(&["--resident-experts", "--expert-profile", "p.json"])).unwrap().unwrap();
+        let c = ExpertConfig::from_args(&args(&["--resident-experts", "--expert-profile", "p.json"]), &Settings::default()).unwrap().unwrap();
         assert!(c.resident_cpu && c.pinned);
     }
 }

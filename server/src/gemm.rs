@@ -13,6 +13,7 @@ use strata_ffi::gemm::{self, FALLBACKS, PATHS};
 use strata_ffi::Verbosity;
 use strata_residency::gemm::{Device, GemmTableError, Table};
 
+use crate::cli::env::Settings;
 use crate::engine::metrics::strata_family;
 
 /// The variables, as read at start-up.
@@ -23,22 +24,13 @@ pub struct GemmConfig {
     pub device: Option<Device>,
 }
 
-/// Reads the variables through `env`; None when none is set. Values that mean nothing are errors.
-pub fn config(env: impl Fn(&str) -> Option<String>) -> Result<Option<GemmConfig>, String> {
-    let table = env("STRATA_HIPBLASLT_TUNING").filter(|v| !v.trim().is_empty()).map(PathBuf::from);
-    let prefill_mmq = match env("STRATA_PREFILL_MMQ").as_deref().map(str::trim) {
-        None | Some("") | Some("0") => false,
-        Some("1") => true,
-        Some(v) => return Err(format!("STRATA_PREFILL_MMQ: invalid value '{v}': expected 0 or 1")),
-    };
-    let device = match env("STRATA_GEMM_DEVICE").filter(|v| !v.trim().is_empty()) {
-        None => None,
-        Some(v) => match v.split_whitespace().collect::<Vec<_>>()[..] {
-            [arch, runtime, blaslt] => Some(Device { arch: arch.into(), runtime: runtime.into(), blaslt: blaslt.into() }),
-            _ => return Err(format!("STRATA_GEMM_DEVICE: invalid value '{v}': expected \"ARCH RUNTIME BLASLT\", e.g. \"sm_90 13000 130100\"")),
-        },
-    };
-    Ok((table.is_some() || prefill_mmq).then_some(GemmConfig { table, prefill_mmq, device }))
+/// The dispatch's settings; None when neither a table nor MMQ is asked for.
+pub fn config(env: &Settings) -> Option<GemmConfig> {
+    (env.gemm_table.is_some() || env.prefill_mmq).then(|| GemmConfig {
+        table: env.gemm_table.clone(),
+        prefill_mmq: env.prefill_mmq,
+        device: env.gemm_device.clone(),
+    })
 }
 
 /// The table at `path` if it parses and its validators match `device`, else why not.
@@ -110,19 +102,20 @@ pub fn metrics_text() -> String {
 mod tests {
     use super::*;
 
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    fn env(vars: &[(&str, &str)]) -> Result<Settings, String> {
+        crate::cli::env::parse(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
     }
 
     #[test]
     fn variables_parse_or_name_the_bad_value() {
-        assert_eq!(config(env(&[])).unwrap(), None);
-        let c = config(env(&[("STRATA_HIPBLASLT_TUNING", "t.txt"), ("STRATA_GEMM_DEVICE", "sm_90 13000 130100")])).unwrap().unwrap();
+        assert_eq!(config(&env(&[]).unwrap()), None);
+        assert_eq!(config(&env(&[("STRATA_GEMM_DEVICE", "sm_90 13000 130100")]).unwrap()), None, "a device alone asks for nothing");
+        let c = config(&env(&[("STRATA_HIPBLASLT_TUNING", "t.txt"), ("STRATA_GEMM_DEVICE", "sm_90 13000 130100")]).unwrap()).unwrap();
         assert_eq!(c.table, Some(PathBuf::from("t.txt")));
         assert_eq!(c.device.unwrap().arch, "sm_90");
-        assert!(config(env(&[("STRATA_PREFILL_MMQ", "1")])).unwrap().unwrap().prefill_mmq);
-        assert!(config(env(&[("STRATA_PREFILL_MMQ", "yes")])).unwrap_err().contains("STRATA_PREFILL_MMQ: invalid value 'yes'"));
-        assert!(config(env(&[("STRATA_HIPBLASLT_TUNING", "t"), ("STRATA_GEMM_DEVICE", "sm_90")])).unwrap_err().contains("STRATA_GEMM_DEVICE"));
+        assert!(config(&env(&[("STRATA_PREFILL_MMQ", "1")]).unwrap()).unwrap().prefill_mmq);
+        assert!(env(&[("STRATA_PREFILL_MMQ", "yes")]).unwrap_err().contains("STRATA_PREFILL_MMQ: invalid value 'yes'"));
+        assert!(env(&[("STRATA_HIPBLASLT_TUNING", "t"), ("STRATA_GEMM_DEVICE", "sm_90")]).unwrap_err().contains("STRATA_GEMM_DEVICE"));
     }
 
     #[test]

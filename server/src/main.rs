@@ -49,7 +49,11 @@ fn run() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let experts = match experts::ExpertConfig::from_args(&strata_args) {
+    let env = match cli::env::read() {
+        Ok(s) => s,
+        Err(msg) => return fatal(&msg),
+    };
+    let experts = match experts::ExpertConfig::from_args(&strata_args, &env) {
         Ok(c) => c,
         Err(msg) => return fatal(&msg),
     };
@@ -62,14 +66,6 @@ fn run() -> ExitCode {
     if let Some(mode) = strata_args.ple_mode {
         parse_args.extend(mode.llama_args().iter().map(|a| a.to_string()));
     }
-    let ple = match ple::config(&strata_args, std::env::var("STRATA_IO_THREADS").ok().as_deref()) {
-        Ok(p) => p,
-        Err(msg) => return fatal(&msg),
-    };
-    let gemm = match gemm::config(|v| std::env::var(v).ok()) {
-        Ok(g) => g,
-        Err(msg) => return fatal(&msg),
-    };
     if parse_args.iter().any(|a| a == "--version") {
         // llama.cpp's parser prints the pin's version after this and exits
         eprintln!("strata-server {} (commit {})", env!("CARGO_PKG_VERSION"), env!("STRATA_GIT_COMMIT"));
@@ -107,7 +103,7 @@ fn run() -> ExitCode {
     if let Err(code) = refuse_options(&params) {
         return code;
     }
-    match serve(params, strata_args, experts, ple, gemm, &llama_args, child) {
+    match serve(params, strata_args, env, experts, &llama_args, child) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             if e.downcast_ref::<log::Logged>().is_none() {
@@ -143,23 +139,17 @@ fn refuse_options(params: &ServerParams) -> Result<(), ExitCode> {
 fn serve(
     params: ServerParams,
     strata: flags::StrataArgs,
+    env: cli::env::Settings,
     experts: Option<experts::ExpertConfig>,
-    ple: Option<strata_ffi::ple::PleConfig>,
-    gemm: Option<gemm::GemmConfig>,
     llama_args: &[String],
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
-    for w in flags::warnings(&strata, experts.is_some(), |v| std::env::var_os(v).is_some()) {
+    for w in flags::warnings(&strata, experts.is_some(), &env.set) {
         log::srv(Verbosity::Warn, "llama_server", &w);
     }
     let max_queued = strata.max_queued;
-    let sampler_argmax = match std::env::var("STRATA_SAMPLER_ARGMAX").as_deref().map(str::trim) {
-        Err(_) | Ok("") | Ok("1") => true,
-        Ok("0") => false,
-        Ok(v) => anyhow::bail!(
-            "STRATA_SAMPLER_ARGMAX: invalid value '{v}': expected 1 (greedy sampling answers from a scan of the logits) or 0 (the sampler chain every time)"
-        ),
-    };
+    let ple = ple::config(&strata, &env);
+    let gemm = gemm::config(&env);
     let cfg = params.to_json().context("reading parsed parameters")?;
     let conf = cli::config::ServerConfig::from_json(&cfg).map_err(|e| anyhow::anyhow!(e))?;
     let hosts = if conf.hostnames.is_empty() { vec!["127.0.0.1".to_string()] } else { conf.hostnames.clone() };
@@ -217,7 +207,9 @@ fn serve(
             max_queued,
             use_mmap: conf.load_mode.maps_the_file(),
             main_gpu: usize::try_from(conf.main_gpu).unwrap_or(0),
-            sampler_argmax,
+            sampler_argmax: env.sampler_argmax,
+            step_trace: env.step_trace.clone(),
+            op_profile: env.op_profile.clone(),
             cache_ram_mib: conf.cache_ram_mib,
             cache_idle_slots: conf.cache_idle_slots,
             n_ctx_checkpoints: usize::try_from(conf.n_ctx_checkpoints).unwrap_or(0),

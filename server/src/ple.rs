@@ -3,27 +3,13 @@
 
 use strata_ffi::ple::{PleConfig, PleStats};
 
+use crate::cli::env::Settings;
 use crate::cli::flags::{PleMode, StrataArgs};
 use crate::engine::metrics::strata_lines;
 
-/// STRATA_IO_THREADS's default: enough readers to keep an NVMe queue busy with one batch's rows.
-pub const DEFAULT_IO_THREADS: usize = 8;
-
-/// The reader settings for `--ple-mode ssd`, None for the other modes. `io_threads` is
-/// STRATA_IO_THREADS as set, if it is.
-pub fn config(a: &StrataArgs, io_threads: Option<&str>) -> Result<Option<PleConfig>, String> {
-    if a.ple_mode != Some(PleMode::Ssd) {
-        return Ok(None);
-    }
-    let threads = match io_threads.map(str::trim).filter(|v| !v.is_empty()) {
-        None => DEFAULT_IO_THREADS,
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|&n| (1..=1024).contains(&n))
-            .ok_or_else(|| format!("STRATA_IO_THREADS: invalid value '{v}': expected 1 to 1024 readers"))?,
-    };
-    Ok(Some(PleConfig { threads, cache_bytes: a.ple_cache_mib << 20 }))
+/// The reader settings for `--ple-mode ssd`, None for the other modes.
+pub fn config(a: &StrataArgs, env: &Settings) -> Option<PleConfig> {
+    (a.ple_mode == Some(PleMode::Ssd)).then_some(PleConfig { threads: env.io_threads, cache_bytes: a.ple_cache_mib << 20 })
 }
 
 /// The `strata:ple_*` lines for /metrics; empty when no table is served from the file.
@@ -70,12 +56,16 @@ mod tests {
 
     #[test]
     fn only_ssd_mode_starts_readers_and_bad_thread_counts_are_refused() {
-        assert_eq!(config(&args("--ple-mode mmap"), Some("4")), Ok(None));
-        assert_eq!(config(&args(""), None), Ok(None));
-        assert_eq!(config(&args("--ple-mode ssd"), None), Ok(Some(PleConfig { threads: DEFAULT_IO_THREADS, cache_bytes: 256 << 20 })));
-        assert_eq!(config(&args("--ple-mode ssd --ple-cache-mib 0"), Some("32")), Ok(Some(PleConfig { threads: 32, cache_bytes: 0 })));
+        let threads = |v: &str| crate::cli::env::parse([("STRATA_IO_THREADS".to_string(), v.to_string())]);
+        assert_eq!(config(&args("--ple-mode mmap"), &threads("4").unwrap()), None);
+        assert_eq!(config(&args(""), &Settings::default()), None);
+        assert_eq!(
+            config(&args("--ple-mode ssd"), &Settings::default()),
+            Some(PleConfig { threads: crate::cli::env::DEFAULT_IO_THREADS, cache_bytes: 256 << 20 })
+        );
+        assert_eq!(config(&args("--ple-mode ssd --ple-cache-mib 0"), &threads("32").unwrap()), Some(PleConfig { threads: 32, cache_bytes: 0 }));
         for bad in ["0", "x", "-2", "5000"] {
-            let e = config(&args("--ple-mode ssd"), Some(bad)).unwrap_err();
+            let e = threads(bad).unwrap_err();
             assert!(e.contains("STRATA_IO_THREADS") && e.contains(bad), "{e}");
         }
     }

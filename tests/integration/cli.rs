@@ -59,6 +59,20 @@ fn strata_flag_without_value_is_refused() {
 }
 
 #[test]
+fn an_unknown_or_retired_strata_variable_stops_the_start_and_says_why() {
+    let m = model("tiny-qwen3moe.gguf");
+    let m = m.to_str().unwrap();
+    for (var, want) in [
+        ("STRATA_PREFIL_RING", "STRATA_PREFIL_RING is not a variable strata-server reads (did you mean STRATA_PREFILL_RING?)"),
+        ("STRATA_RING_EMULATE", "STRATA_RING_EMULATE is no longer read: use STRATA_LAB=emulate-ring"),
+    ] {
+        let out = run_server(&["-m", m], &[(var, "1")]);
+        assert_eq!(out.status, 1, "{}", out.stderr);
+        assert!(out.stderr.contains(want) && !out.stderr.contains("loading model"), "{}", out.stderr);
+    }
+}
+
+#[test]
 fn llama_arg_ctx_size_env_is_honoured() {
     let gemma = model("gemma3-270m-q4_k_m.gguf");
     let server = Server::start(&["-m", gemma.to_str().unwrap()], &[("LLAMA_ARG_CTX_SIZE", "512")]);

@@ -63,7 +63,7 @@ fn a_table_for_another_gpu_is_refused_and_the_server_serves() {
     drop(s);
 
     for (var, value, want) in [
-        ("STRATA_PREFILL_MMQ", "yes", "STRATA_PREFILL_MMQ: invalid value 'yes': expected 0 or 1"),
+        ("STRATA_PREFILL_MMQ", "yes", "STRATA_PREFILL_MMQ: invalid value 'yes': expected 1, true, on or enabled"),
         ("STRATA_GEMM_DEVICE", "sm_90", "STRATA_GEMM_DEVICE: invalid value 'sm_90'"),
     ] {
         let mut env = vec![(var, value)];

@@ -25,8 +25,9 @@ MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "gem
 
 BLANKS = [
     (re.compile(r"^\d+\.\d{2}\.\d{3}\.\d{3} "), ""),
-    (re.compile(r"\d+\.\d+ ms"), "X ms"),
-    (re.compile(r"[\d.]+ tokens per second"), "X tokens per second"),
+    # printf pads each figure to a width: the padding varies with the figure
+    (re.compile(r" *\d+\.\d+ ms"), " X ms"),
+    (re.compile(r" *[\d.]+ tokens per second"), " X tokens per second"),
     (re.compile(r"t_last = -?\d+"), "t_last = X"),
     (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:P"),
     (re.compile(r"task (id = )?\d+"), r"task \1N"),

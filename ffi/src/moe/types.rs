@@ -55,16 +55,7 @@ pub struct ExpertLayer {
     pub buffer: String,
 }
 
-/// Where the cold experts are read from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ColdCopy {
-    /// Where llama.cpp put them (the file mapping with mmap).
-    Mapped,
-    /// A pageable RAM copy.
-    Ram,
-    /// A page-locked RAM copy (the GPU backend's host buffer type).
-    PinnedRam,
-}
+pub use strata_residency::plan::ColdCopy;
 
 /// What to place: hot experts per layer (by layer index) and where the cold ones are read.
 #[derive(Clone, Debug)]

@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 use crate::api::error::ApiError;
+use crate::cli::env::{self, Upstream};
 
 const MAX_INSTANCES: usize = 128;
 
@@ -39,20 +40,20 @@ pub struct Gcp {
     pub port: Option<u16>,
 }
 
-fn env_path(name: &str) -> Option<String> {
-    let v = std::env::var(name).ok().filter(|v| !v.is_empty())?;
+fn env_path(name: Upstream) -> Option<String> {
+    let v = env::upstream(name).filter(|v| !v.is_empty())?;
     Some(if v.starts_with('/') { v } else { format!("/{v}") })
 }
 
 impl Gcp {
     pub fn from_env() -> Option<Self> {
-        if std::env::var("AIP_MODE").ok()? != "PREDICTION" {
+        if env::upstream(Upstream::AipMode)? != "PREDICTION" {
             return None;
         }
         Some(Self {
-            health: env_path("AIP_HEALTH_ROUTE"),
-            predict: env_path("AIP_PREDICT_ROUTE").unwrap_or_else(|| "/predict".into()),
-            port: std::env::var("AIP_HTTP_PORT").ok().and_then(|p| p.parse().ok()),
+            health: env_path(Upstream::AipHealthRoute),
+            predict: env_path(Upstream::AipPredictRoute).unwrap_or_else(|| "/predict".into()),
+            port: env::upstream(Upstream::AipHttpPort).and_then(|p| p.parse().ok()),
         })
     }
 }

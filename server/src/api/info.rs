@@ -135,8 +135,8 @@ fn now() -> u64 {
 /// LLAMA_MEDIA_MARKER pins it (llama-server's get_media_marker).
 pub fn media_marker() -> &'static str {
     static MARKER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    MARKER.get_or_init(|| match std::env::var("LLAMA_MEDIA_MARKER") {
-        Ok(m) if !m.is_empty() => m,
+    MARKER.get_or_init(|| match crate::cli::env::upstream(crate::cli::env::Upstream::MediaMarker) {
+        Some(m) if !m.is_empty() => m,
         _ => format!("<__media_{}__>", crate::api::render::random_string()),
     })
 }

@@ -9,11 +9,6 @@ pub const VAR: &str = "STRATA_LAB";
 /// The items, with what each takes, as the error for an unknown one lists them.
 const ITEMS: &str = "emulate-ring, zero-copy, flat-ids, ring-trace=FILE, ring-waves=1..8, ring-pace-kib=KIB, ring-prefetch-min-p=0..1";
 
-/// Reads `STRATA_LAB` from the environment.
-pub fn from_env() -> Result<Lab, String> {
-    parse(&std::env::var("STRATA_LAB").unwrap_or_default())
-}
-
 /// Parses a `STRATA_LAB` value: items separated by commas, each a name or name=value.
 pub fn parse(value: &str) -> Result<Lab, String> {
     let mut lab = Lab::default();

@@ -2,6 +2,7 @@
 //! llama.cpp's parsed parameters as a typed configuration.
 
 pub mod config;
+pub mod env;
 pub mod flags;
 pub mod lab;
 pub mod upstream;

@@ -350,6 +350,10 @@ pub struct EngineConfig {
     pub main_gpu: usize,
     /// STRATA_SAMPLER_ARGMAX (default on): greedy sampling answers from a scan of the logits.
     pub sampler_argmax: bool,
+    /// STRATA_STEP_TRACE: where the host's time around decode steps is written.
+    pub step_trace: Option<PathBuf>,
+    /// STRATA_OP_PROFILE: where per-op times of prompt batches are written.
+    pub op_profile: Option<PathBuf>,
 }
 
 /// What the engine publishes for handlers.

@@ -115,9 +115,9 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     }
     let mut woken_by: Option<Job> = None;
     let mut placed = false;
-    open_step_trace();
+    open_step_trace(cfg.step_trace.as_deref());
     loop {
-        let ctx = match cfg.params.context_params().and_then(|p| Context::for_server(&model, with_op_profile(p), &cfg.params)) {
+        let ctx = match cfg.params.context_params().and_then(|p| Context::for_server(&model, with_op_profile(p, cfg.op_profile.as_deref()), &cfg.params)) {
             Ok(c) => c,
             Err(e) => {
                 return Err(e.to_string());
@@ -235,20 +235,20 @@ pub(super) fn serve_jobs(engine: &mut Engine<'_>, rx: &mut mpsc::Receiver<Job>, 
 }
 
 /// STRATA_STEP_TRACE=FILE: the host's time around each decode step (diagnostics).
-pub(super) fn open_step_trace() {
-    let Some(path) = std::env::var_os("STRATA_STEP_TRACE") else { return };
-    if let Err(e) = strata_ffi::step_trace::open(std::path::Path::new(&path)) {
-        crate::log::warn(&format!("STRATA_STEP_TRACE: cannot write {}: {e}", path.to_string_lossy()));
+pub(super) fn open_step_trace(path: Option<&std::path::Path>) {
+    let Some(path) = path else { return };
+    if let Err(e) = strata_ffi::step_trace::open(path) {
+        crate::log::warn(&format!("STRATA_STEP_TRACE: cannot write {}: {e}", path.display()));
     }
 }
 
 /// STRATA_OP_PROFILE=FILE: per-op times of each prompt batch (diagnostics; runs the graph node by node).
-pub(super) fn with_op_profile(p: strata_ffi::ContextParams) -> strata_ffi::ContextParams {
-    let Some(path) = std::env::var_os("STRATA_OP_PROFILE") else { return p };
-    match p.with_op_profile(std::path::Path::new(&path)) {
+pub(super) fn with_op_profile(p: strata_ffi::ContextParams, path: Option<&std::path::Path>) -> strata_ffi::ContextParams {
+    let Some(path) = path else { return p };
+    match p.with_op_profile(path) {
         Ok(p) => p,
         Err(e) => {
-            crate::log::warn(&format!("STRATA_OP_PROFILE: cannot write {}: {e}", path.to_string_lossy()));
+            crate::log::warn(&format!("STRATA_OP_PROFILE: cannot write {}: {e}", path.display()));
             p
         }
     }

@@ -15,8 +15,6 @@ use crate::engine::{EngineHandle, State};
 
 pub const CMD_EXIT: &str = "cmd_router_to_child:exit";
 pub const CMD_STATE: &str = "cmd_child_to_router:state:";
-pub const ENV_ROUTER_PORT: &str = "LLAMA_SERVER_ROUTER_PORT";
-pub const ENV_CHILD_MODE: &str = "LLAMA_SERVER_CHILD_MODE";
 
 const SLEEP_POLL: Duration = Duration::from_millis(250);
 
@@ -35,7 +33,7 @@ pub struct ChildLink {
 impl ChildLink {
     /// Some when this process was started by a router; takes stdout for the messages.
     pub fn from_env() -> Option<Arc<Self>> {
-        std::env::var_os(ENV_ROUTER_PORT)?;
+        crate::cli::env::upstream(crate::cli::env::Upstream::RouterPort)?;
         let out = match strata_ffi::reserve_stdout() {
             Ok(f) => f,
             Err(e) => {
@@ -43,8 +41,8 @@ impl ChildLink {
                 return None;
             }
         };
-        let mode = match std::env::var(ENV_CHILD_MODE).as_deref() {
-            Ok("download") => ChildMode::Download,
+        let mode = match crate::cli::env::upstream(crate::cli::env::Upstream::ChildMode).as_deref() {
+            Some("download") => ChildMode::Download,
             _ => ChildMode::Normal,
         };
         Some(Arc::new(Self { out: Mutex::new(out), mode }))

@@ -107,7 +107,7 @@ pub fn serve(cfg: &Value, llama_args: &[String], strata_args: Vec<String>, hosts
         models_autoload: cfg["models_autoload"].as_bool().unwrap_or(true),
         port: port as u16,
         hf_token: s("hf_token"),
-        fake_timing: std::env::var_os("LLAMA_SERVER_DEBUG_FAKE_TIMING").is_some_and(|v| !v.is_empty()),
+        fake_timing: crate::cli::env::upstream_set(crate::cli::env::Upstream::FakeTiming),
     };
     let props = json!({
         "role": "router",

@@ -131,7 +131,7 @@ pub fn is_valid_ssh_target(target: &str) -> bool {
 }
 
 fn home_dir() -> Option<String> {
-    std::env::var("HOME").ok().filter(|h| !h.is_empty())
+    crate::cli::env::upstream(crate::cli::env::Upstream::Home).filter(|h| !h.is_empty())
 }
 
 fn expand_home(path: &str) -> String {

@@ -2,7 +2,8 @@
 //! stopping, unloading or removing it.
 
 use crate::api::error::ApiError;
-use crate::router::child::{CMD_EXIT, CMD_STATE, ENV_CHILD_MODE, ENV_ROUTER_PORT};
+use crate::cli::env::{CHILD_MODE, ROUTER_PORT};
+use crate::router::child::{CMD_EXIT, CMD_STATE};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 use std::process::Stdio;
@@ -96,13 +97,13 @@ impl Models {
 
         let mut cmd = tokio::process::Command::new(&meta.args[0]);
         cmd.args(&meta.args[1..])
-            .env(ENV_ROUTER_PORT, self.cfg.port.to_string())
+            .env(ROUTER_PORT, self.cfg.port.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         if mode == SpawnMode::Download {
-            cmd.env(ENV_CHILD_MODE, "download").env("LLAMA_ARG_HF_REPO", &meta.name);
+            cmd.env(CHILD_MODE, "download").env("LLAMA_ARG_HF_REPO", &meta.name);
         }
         let child = cmd.spawn().map_err(|e| ApiError::server(format!("failed to spawn server instance: {e}")))?;
 
