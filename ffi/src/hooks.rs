@@ -27,7 +27,7 @@ pub trait Hooks: Send + Sync + 'static {
         false
     }
     /// Writes the rows a ubatch needs; false lets llama.cpp read them from the table.
-    fn ple_rows(&self, _args: &PleRows<'_>) -> bool {
+    fn ple_rows(&self, _args: &mut PleRows<'_>) -> bool {
         false
     }
 }
@@ -37,7 +37,7 @@ pub struct PleRows<'a> {
     raw: &'a sys::strata_ple_rows_args,
 }
 
-impl PleRows<'_> {
+impl<'a> PleRows<'a> {
     pub fn model(&self) -> *const sys::llama_model {
         self.raw.model
     }
@@ -48,7 +48,7 @@ impl PleRows<'_> {
         self.raw.row_bytes
     }
     /// The rows wanted, in order (repeats allowed).
-    pub fn rows(&self) -> &[i32] {
+    pub fn rows(&self) -> &'a [i32] {
         if self.raw.rows.is_null() || self.raw.n_rows <= 0 {
             return &[];
         }
@@ -56,8 +56,7 @@ impl PleRows<'_> {
         unsafe { std::slice::from_raw_parts(self.raw.rows, self.raw.n_rows as usize) }
     }
     /// Where the rows go: `rows().len() * row_bytes()` bytes.
-    #[allow(clippy::mut_from_ref)]
-    pub fn dst(&self) -> &mut [u8] {
+    pub fn dst(&mut self) -> &mut [u8] {
         if self.raw.dst.is_null() || self.raw.n_rows <= 0 {
             return &mut [];
         }
@@ -130,8 +129,8 @@ extern "C" fn ple_rows(user_data: *mut c_void, args: *const sys::strata_ple_rows
         return false;
     }
     // SAFETY: llama.cpp passes a pointer to a live args struct for the duration of the call.
-    let args = PleRows { raw: unsafe { &*args } };
-    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ple_rows(&args))).unwrap_or(false)
+    let mut args = PleRows { raw: unsafe { &*args } };
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ple_rows(&mut args))).unwrap_or(false)
 }
 
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.

@@ -226,17 +226,29 @@ mod tests {
     }
 }
 
-pub(crate) fn fill(args: &PleRows<'_>) -> bool {
+pub(crate) fn fill(args: &mut PleRows<'_>) -> bool {
     let Some(p) = bound(args.model()) else { return false };
     if args.row_bytes() as u64 != p.table.row_bytes || !matches(&p, args.table()) {
         return false;
     }
+    // A panic must not send llama.cpp to the mapping either: the batch fails instead.
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill_from_file(&p, args)));
+    if read.is_err() {
+        args.dst().fill(0);
+        p.counters.failures.fetch_add(1, Ordering::Relaxed);
+        *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some("could not read the model's per-layer embedding rows: the reader failed".into());
+    }
+    true
+}
+
+fn fill_from_file(p: &Provider, args: &mut PleRows<'_>) {
+    let rows = args.rows();
     let dst = args.dst();
-    let Err(e) = read_rows(&p, args.rows(), dst) else { return true };
+    let Err(e) = read_rows(p, rows, dst) else { return };
     // Never through the mapping: after an I/O error or with the file cut short underneath, a
     // page fault there would kill the server (SIGBUS). One buffered retry, else the batch fails.
     p.counters.fallbacks.fetch_add(1, Ordering::Relaxed);
-    match read_rows_buffered(&p, args.rows(), dst) {
+    match read_rows_buffered(p, rows, dst) {
         Ok(()) => crate::log(Verbosity::Warn, &format!("srv     ple_rows: {e}; read again without direct I/O\n")),
         Err(e2) => {
             dst.fill(0);
@@ -246,7 +258,6 @@ pub(crate) fn fill(args: &PleRows<'_>) -> bool {
             *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
         }
     }
-    true
 }
 
 /// Why a batch that `model`'s context just decoded had no rows, if so (cleared by asking): its

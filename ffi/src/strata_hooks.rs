@@ -28,7 +28,7 @@ impl Hooks for Strata {
         crate::ple::serves(model, table)
     }
 
-    fn ple_rows(&self, args: &PleRows<'_>) -> bool {
+    fn ple_rows(&self, args: &mut PleRows<'_>) -> bool {
         crate::ple::fill(args)
     }
 }

@@ -6,7 +6,8 @@
 //! launch copies the token rows and the selections into the job and wakes the workers; join
 //! takes part in the work, waits for the rest and copies the result out. ggml's scheduler runs
 //! the GPU split between the two without waiting for it, so the CPU and the GPU overlap. One job
-//! runs at a time: the graph orders every layer's join before the next layer's launch.
+//! runs at a time: the graph orders every layer's join before the next layer's launch, and a
+//! launch from another thread's graph (a second context of the model) waits for the job's join.
 //!
 //! A job has two phases (gate/up, then down), each cut into chunks that whoever runs claims: a
 //! worker without a core (the machine oversubscribed) delays nobody, as the caller and the other
@@ -16,6 +17,7 @@ use std::cell::UnsafeCell;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::ThreadId;
 
 use super::kernels::{cold_items, down_rows, gate_up_rows, ids, src, src_opt, tally, token_row, uploaded, weighted_output, weights};
 use super::layer::LayerTiers;
@@ -69,11 +71,15 @@ struct Shared {
     chunks: [AtomicUsize; 2],
     sleep: Mutex<()>,
     wake: Condvar,
+    /// The thread whose graph launched the job and has not joined it yet.
+    owner: Mutex<Option<ThreadId>>,
+    released: Condvar,
 }
 
-// SAFETY: `job` is written only by launch, while no chunk of the previous job is claimed or
-// running, and read by a chunk's runner only after its claim succeeded (the job cannot finish,
-// so cannot be replaced, before that chunk is counted finished); chunks write disjoint rows.
+// SAFETY: `job` is written only by launch, on the thread that owns the pool (`owner`), while no
+// chunk of the previous job is claimed or running, and read by a chunk's runner only after its
+// claim succeeded (the job cannot finish, so cannot be replaced, before that chunk is counted
+// finished); chunks write disjoint rows; join copies it out on the owning thread.
 unsafe impl Sync for Shared {}
 
 pub(crate) struct Pool {
@@ -93,16 +99,7 @@ impl Pool {
     }
 
     fn start(n: usize) -> Pool {
-        let shared = Arc::new(Shared {
-            n,
-            job: UnsafeCell::new(Job::default()),
-            generation: AtomicU64::new(0),
-            claim: [AtomicU64::new(0), AtomicU64::new(0)],
-            finished: [AtomicUsize::new(0), AtomicUsize::new(0)],
-            chunks: [AtomicUsize::new(0), AtomicUsize::new(0)],
-            sleep: Mutex::new(()),
-            wake: Condvar::new(),
-        });
+        let shared = Arc::new(Shared::new(n));
         for _ in 0..n {
             let s = shared.clone();
             std::thread::Builder::new().name("strata-cold".into()).spawn(move || worker(&s)).expect("spawn a cold-expert worker");
@@ -240,7 +237,8 @@ pub(crate) unsafe extern "C" fn launch(dst: *mut sys::ggml_tensor, ith: i32, _nt
 fn start(pool: &Pool, lt: &LayerTiers, cur: &sys::ggml_tensor, sel: &sys::ggml_tensor, wt: &sys::ggml_tensor, upload_ids: Option<&sys::ggml_tensor>) {
     let s = &pool.shared;
     let (n_used, n_tok) = (sel.ne[0] as usize, sel.ne[1] as usize);
-    // A graph stopped between a launch and its join leaves a job unfinished: finish it.
+    s.acquire();
+    // A graph of this thread stopped between a launch and its join leaves a job unfinished: finish it.
     let prev = s.generation.load(Ordering::Acquire);
     if prev > 0 {
         s.complete(prev);
@@ -290,14 +288,59 @@ fn start(pool: &Pool, lt: &LayerTiers, cur: &sys::ggml_tensor, sel: &sys::ggml_t
     s.wake.notify_all();
 }
 
-/// Takes part in the current job until it is complete, then copies its output into `out`.
-fn finish(pool: &Pool, out: *mut f32) {
+/// Takes part in the current job until it is complete, then copies its output into `out`, a
+/// buffer of `out_len` floats, and lets the next launch in.
+fn finish(pool: &Pool, out: *mut f32, out_len: usize) {
     let s = &pool.shared;
+    if !s.owned_here() {
+        eprintln!("strata: a cold-expert join without its launch on this thread; aborting");
+        std::process::abort();
+    }
     s.complete(s.generation.load(Ordering::Acquire));
-    // SAFETY: the job is complete and only this thread starts the next; out holds job.out.len() floats.
-    unsafe {
-        let job = &*s.job.get();
-        std::ptr::copy_nonoverlapping(job.out.as_ptr(), out, job.out.len());
+    // SAFETY: the job is complete and this thread owns the pool until release.
+    let job = unsafe { &*s.job.get() };
+    if job.out.len() != out_len {
+        eprintln!("strata: a cold-expert join for {out_len} floats got a job of {}; aborting", job.out.len());
+        std::process::abort();
+    }
+    // SAFETY: out holds out_len floats, checked equal to the job's output.
+    unsafe { std::ptr::copy_nonoverlapping(job.out.as_ptr(), out, out_len) };
+    s.release();
+}
+
+impl Shared {
+    fn new(n: usize) -> Shared {
+        Shared {
+            n,
+            job: UnsafeCell::new(Job::default()),
+            generation: AtomicU64::new(0),
+            claim: [AtomicU64::new(0), AtomicU64::new(0)],
+            finished: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            chunks: [AtomicUsize::new(0), AtomicUsize::new(0)],
+            sleep: Mutex::new(()),
+            wake: Condvar::new(),
+            owner: Mutex::new(None),
+            released: Condvar::new(),
+        }
+    }
+
+    /// Waits until no other thread's graph holds a job, then takes the pool for this thread's.
+    fn acquire(&self) {
+        let me = std::thread::current().id();
+        let mut owner = self.owner.lock().unwrap_or_else(|e| e.into_inner());
+        while owner.is_some_and(|t| t != me) {
+            owner = self.released.wait(owner).unwrap_or_else(|e| e.into_inner());
+        }
+        *owner = Some(me);
+    }
+
+    fn owned_here(&self) -> bool {
+        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) == Some(std::thread::current().id())
+    }
+
+    fn release(&self) {
+        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.released.notify_all();
     }
 }
 
@@ -312,6 +355,39 @@ pub(crate) unsafe extern "C" fn join(dst: *mut sys::ggml_tensor, ith: i32, _nth:
         return;
     }
     let Some(pool) = POOL.get() else { return };
-    // SAFETY: dst has the shape the launch gave the job's output.
-    finish(pool, unsafe { (*dst).data as *mut f32 });
+    // SAFETY: dst is the op's live f32 tensor.
+    let (out, len) = unsafe { ((*dst).data as *mut f32, sys::ggml_nelements(dst) as usize) };
+    finish(pool, out, len);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    #[test]
+    fn a_second_threads_launch_waits_for_the_first_threads_join() {
+        let s = Arc::new(Shared::new(1));
+        s.acquire();
+        // the same thread again: its earlier graph stopped before its join
+        s.acquire();
+        assert!(s.owned_here());
+        let entered = Arc::new(AtomicBool::new(false));
+        let other = {
+            let (s, entered) = (s.clone(), entered.clone());
+            std::thread::spawn(move || {
+                s.acquire();
+                entered.store(true, Ordering::SeqCst);
+                assert!(s.owned_here());
+                s.release();
+            })
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!entered.load(Ordering::SeqCst), "the other thread took the job slot before this thread's join");
+        s.release();
+        other.join().unwrap();
+        assert!(entered.load(Ordering::SeqCst));
+        assert!(!s.owned_here());
+    }
 }
