@@ -105,6 +105,12 @@ impl Done {
         self.cv.notify_all();
     }
 
+    /// Whether the job has ended, without waiting.
+    #[cfg(test)]
+    pub(super) fn ended(&self) -> Option<bool> {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Waits; returns (copies succeeded, whether the caller had to wait).
     pub(super) fn wait(&self) -> (bool, bool) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());

@@ -92,6 +92,8 @@ pub(crate) struct Ring {
     fns: Option<Fns>,
     state: Mutex<State>,
     tx: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The copier, joined before the ring's memory is freed: it may be copying into it.
+    copier_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     pub stats: RingStats,
     pub cost: Mutex<Option<CostModel>>,
     pinned_src: bool,
@@ -133,8 +135,12 @@ unsafe impl Sync for Ring {}
 
 impl Drop for Ring {
     fn drop(&mut self) {
+        // Closing the channel ends the copier once the jobs queued are copied.
         if let Ok(mut tx) = self.tx.lock() {
             tx.take();
+        }
+        if let Some(t) = self.copier_thread.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
         }
         if let Some(f) = self.fns {
             for &h in self.handles.iter().flatten() {
@@ -197,6 +203,7 @@ impl Ring {
             fns,
             state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None, last_at: None }),
             tx: Mutex::new(None),
+            copier_thread: Mutex::new(None),
             stats: RingStats::default(),
             cost: Mutex::new(None),
             pinned_src,
@@ -313,11 +320,12 @@ impl Ring {
         };
         let (tx, rx) = mpsc::channel::<Job>();
         let copier = self.copier;
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("strata-ring".into())
             .spawn(move || copier_thread(copier, rx, staging, pace))
             .map_err(|e| format!("the prefill ring's copier thread: {e}"))?;
         *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        *self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread);
         Ok(())
     }
 
@@ -712,6 +720,33 @@ mod tests {
         let mut landed = next.clone();
         landed.sort_unstable();
         assert_eq!(landed, [102, 103], "the prefetch copied them into layer 1's window");
+    }
+
+    #[test]
+    fn a_ring_freed_with_a_prefetch_queued_copies_it_before_its_memory_goes() {
+        let Bench { ring, own: _own, other: _other, _ram: ram } = bench();
+        let mut next = vec![0u32; 2];
+        let dst = [vec![next.as_mut_ptr() as usize], vec![]];
+        let rl = RingLayer::new(
+            4,
+            vec![(ram.as_ptr() as usize, 4)],
+            dst,
+            vec![-1, -1, 0, 1, 2, 3, 4, 5],
+            vec![0, 1, -1, -1, -1, -1, -1, -1],
+            Arc::new(Tally::new(8)),
+            2,
+        );
+        ring.register(rl);
+        ring.set_active(0, true);
+        ring.set_active(1, true);
+        let mut out = [0i32; 8];
+        ring.fill(0, 0, 1, &[2, 3, 0, 1, 2, 3, 0, 1], &mut out).expect("pass 0");
+        let prefetch = ring.state.lock().unwrap().pending[1].clone().expect("layer 1's prefetch queued");
+        assert_eq!(Arc::strong_count(&ring), 1, "nothing else holds the ring");
+        drop(ring);
+        assert_eq!(prefetch.ended(), Some(true), "the copier finished the queued prefetch before the ring was freed");
+        next.sort_unstable();
+        assert_eq!(next, [102, 103]);
     }
 
     #[test]
