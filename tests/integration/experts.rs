@@ -323,6 +323,41 @@ fn the_prefill_ring_emulated_on_the_cpu_matches_the_unsplit_model() {
 
 /// The prefill ring and zero-copy decode together: prompt batches through the ring's slots,
 /// decode through the tables, from the same RAM copy.
+/// A prompt of one ubatch and a few tokens splits into a prompt-sized ubatch and a decode-sized
+/// one in the same llama_decode: the tail must not compute with what the prompt ubatch left in
+/// the ring or the tables.
+#[test]
+fn a_prompt_whose_last_ubatch_is_decode_sized_keeps_the_output() {
+    let m = model(MODEL);
+    let m = m.to_str().unwrap();
+    let dir = tmp("ubatch-tails");
+    let profile = record_profile(&dir);
+    let root = guard_root(&dir, 64 << 20);
+    let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_LAB", "emulate-ring,zero-copy"), ("STRATA_PREFILL_RING", "40")];
+    for (ub, lens) in [("32", 33..=36), ("256", 258..=260)] {
+        let base = ["-m", m, "-c", "2048", "-b", "512", "-ub", ub];
+        let reference = Server::start(&[&base[..], &["--no-repack"]].concat(), &[]);
+        let (status, t) = reference.post("/tokenize", &json!({"content": LONG}));
+        assert_eq!(status, 200, "{t}");
+        let ids: Vec<Value> = t["tokens"].as_array().unwrap().iter().cycle().take(300).cloned().collect();
+        let ask = |s: &Server, n: usize| {
+            let body = json!({"prompt": ids[..n], "n_predict": 12, "temperature": 0, "n_probs": 3, "cache_prompt": false,
+                              "ignore_eos": true, "return_tokens": true});
+            let (status, v) = s.post("/completion", &body);
+            assert_eq!(status, 200, "{v}");
+            v
+        };
+        let want: Vec<Value> = lens.clone().map(|n| ask(&reference, n)).collect();
+        drop(reference);
+        let tiers = ["--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+        let s = Server::start(&[&base[..], &tiers[..]].concat(), &env);
+        for (n, w) in lens.zip(&want) {
+            assert_same(w, &ask(&s, n), &format!("-ub {ub}, a prompt of {n} tokens"));
+        }
+        assert!(counter(&s, "prefill_ring_batches_total") >= 1, "-ub {ub}: the prompt ubatches took the ring");
+    }
+}
+
 #[test]
 fn the_prefill_ring_beside_zero_copy_decode_keeps_the_output() {
     let m = model(MODEL);
