@@ -234,11 +234,16 @@ pub(crate) fn fill(args: &mut PleRows<'_>) -> bool {
     // A panic must not send llama.cpp to the mapping either: the batch fails instead.
     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill_from_file(&p, args)));
     if read.is_err() {
-        args.dst().fill(0);
-        p.counters.failures.fetch_add(1, Ordering::Relaxed);
-        *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some("could not read the model's per-layer embedding rows: the reader failed".into());
+        fail(&p, args.dst(), "could not read the model's per-layer embedding rows: the reader failed".into());
     }
     true
+}
+
+/// A batch without its rows: zeroed, counted, and its reason kept for the batch's failure.
+fn fail(p: &Provider, dst: &mut [u8], msg: String) {
+    dst.fill(0);
+    p.counters.failures.fetch_add(1, Ordering::Relaxed);
+    *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
 }
 
 fn fill_from_file(p: &Provider, args: &mut PleRows<'_>) {
@@ -251,11 +256,9 @@ fn fill_from_file(p: &Provider, args: &mut PleRows<'_>) {
     match read_rows_buffered(p, rows, dst) {
         Ok(()) => crate::log(Verbosity::Warn, &format!("srv     ple_rows: {e}; read again without direct I/O\n")),
         Err(e2) => {
-            dst.fill(0);
-            p.counters.failures.fetch_add(1, Ordering::Relaxed);
             let msg = format!("could not read the model's per-layer embedding rows: {e2}");
             crate::log(Verbosity::Error, &format!("srv     ple_rows: {e}; retry: {msg}\n"));
-            *p.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
+            fail(p, dst, msg);
         }
     }
 }

@@ -213,10 +213,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         layout: &p.layout,
         profile: p.profile.as_ref(),
         hot_tier: cfg.hot_tier,
-        cache: match cfg.cache {
-            CacheSize::Auto => plan::Cache::Auto,
-            CacheSize::Experts(n) => plan::Cache::Experts(n),
-        },
+        cache: cfg.cache,
         cold,
         vram_reserve: cfg.vram_reserve_mib << 20,
         pcie_frac: cfg.pcie_frac,

@@ -319,11 +319,7 @@ pub enum PleMode {
 }
 
 /// --expert-cache: `auto` (what VRAM allows) or a number of experts.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum CacheSize {
-    Auto,
-    Experts(u64),
-}
+pub use strata_residency::plan::Cache as CacheSize;
 
 impl Default for StrataArgs {
     fn default() -> Self {
