@@ -57,6 +57,8 @@ pub struct Context<'m> {
     threadpools: Option<NonNull<sys::strata_threadpools>>,
     /// -bs: the per-sequence sampler chains the context was made with, freed after it.
     backend_samplers: Option<NonNull<sys::strata_backend_samplers>>,
+    /// Dropped with the context: a drafter made over it (which keeps its pointer) checks it.
+    pub(crate) alive: std::sync::Arc<()>,
 }
 
 // SAFETY: a llama_context may be used from any thread as long as it is used by one at a time;
@@ -68,7 +70,7 @@ impl<'m> Context<'m> {
     pub fn new(model: &'m Model, params: ContextParams) -> Result<Self> {
         // SAFETY: valid model and params; null on failure.
         let ptr = unsafe { sys::llama_init_from_model(model.as_ptr(), params.raw) };
-        NonNull::new(ptr).map(|ptr| Self { ptr, model, threadpools: None, backend_samplers: None }).ok_or(FfiError::ContextInit)
+        NonNull::new(ptr).map(|ptr| Self { ptr, model, threadpools: None, backend_samplers: None, alive: std::sync::Arc::new(()) }).ok_or(FfiError::ContextInit)
     }
 
     /// As `new`, with the server's -bs: each sequence's sampler chain (from the flags' sampling
@@ -122,15 +124,10 @@ impl<'m> Context<'m> {
             })?;
             self.threadpools = Some(pools);
         }
-        // The warm-up is a batch (of BOS and EOS) to the expert tiers too: its routing is counted
-        // before the next batch decoded elsewhere overwrites it.
-        self.count_logged_routing();
-        let done = call(|err| {
+        call(|err| {
             // SAFETY: valid, exclusively borrowed params and context.
             unsafe { sys::strata_context_setup(params.as_mut_ptr(), self.ptr.as_ptr(), err) }.then_some(())
-        });
-        self.count_logged_routing();
-        done
+        })
     }
 
     pub fn model(&self) -> &'m Model {
@@ -156,10 +153,9 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_n_batch(self.ptr.as_ptr()) }
     }
 
+    /// Decodes `batch`. On a model with expert tiers the batch has finished on the device when
+    /// this returns, and its routing is counted (crate::decode_scope).
     pub fn decode(&mut self, batch: &Batch) -> Result<(), DecodeError> {
-        // Routing that zero-copy MoE layers logged in batches decoded elsewhere (llama.cpp's
-        // warm-up) is counted before this batch overwrites it.
-        crate::step_trace::tiers(|| self.count_logged_routing());
         let t0 = std::time::Instant::now();
         crate::op_profile::batch_start();
         // SAFETY: valid context; the batch's arrays are valid for its n_tokens.
@@ -171,27 +167,12 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
             crate::step_trace::step(batch.raw().n_tokens, t0, launched, std::time::Instant::now());
         }
-        let ctx = self.ptr.as_ptr();
-        crate::step_trace::tiers(|| {
-            self.count_logged_routing();
-            // SAFETY: valid context.
-            crate::moe::adapt::after_batch(self.model.as_ptr() as usize, &mut || unsafe { sys::llama_synchronize(ctx) });
-        });
-        DecodeError::check(rc)?;
-        match crate::ple::take_failure(self.model.as_ptr()) {
-            Some(e) => Err(DecodeError::Io(e)),
-            None => Ok(()),
+        if rc == crate::decode_scope::FAILED {
+            if let Some(why) = crate::decode_scope::take_failure() {
+                return Err(DecodeError::Io(why));
+            }
         }
-    }
-
-    /// Only this context's model: another context (a draft model's) may decode while this one's
-    /// graph still runs, and synchronising it says nothing about this one.
-    fn count_logged_routing(&mut self) {
-        if crate::moe::zero_copy_active() {
-            // SAFETY: valid context; the log is host memory the device writes during a batch.
-            unsafe { sys::llama_synchronize(self.ptr.as_ptr()) };
-            crate::moe::after_decode(self.model.as_ptr() as usize);
-        }
+        DecodeError::check(rc)
     }
 
     /// The token the context's graph sampled for the i-th output of the last decode (a sequence

@@ -1,4 +1,4 @@
-//! The Rust side of the hook ABI that patches/0001 adds to llama.cpp (`strata-hooks.h`).
+//! The Rust side of the hook ABI that patches/0001, 0004 and 0010 add to llama.cpp (`strata-hooks.h`).
 //! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines
 //! (crate::strata_hooks installs Strata's own).
 
@@ -29,6 +29,15 @@ pub trait Hooks: Send + Sync + 'static {
     /// Writes the rows a ubatch needs; false lets llama.cpp read them from the table.
     fn ple_rows(&self, _args: &mut PleRows<'_>) -> bool {
         false
+    }
+    /// Before a context over `model` decodes a batch (patches/0010), on the calling thread.
+    fn decode_begin(&self, _model: *const sys::llama_model) {}
+    /// After each ubatch's graph of such a decode was submitted (it may still run): `n_tokens`
+    /// rows, `n_outputs` of them output rows (the only ones the last layer's FFN computes).
+    fn ubatch_done(&self, _model: *const sys::llama_model, _sched: sys::ggml_backend_sched_t, _n_tokens: u32, _n_outputs: i32) {}
+    /// When the decode returns `ret`: what llama_decode returns instead.
+    fn decode_end(&self, _model: *const sys::llama_model, _ctx: *mut sys::llama_context, ret: i32) -> i32 {
+        ret
     }
 }
 
@@ -133,6 +142,19 @@ extern "C" fn ple_rows(user_data: *mut c_void, args: *const sys::strata_ple_rows
     catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ple_rows(&mut args))).unwrap_or(false)
 }
 
+extern "C" fn decode_begin(user_data: *mut c_void, model: *const sys::llama_model) {
+    let _ = catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).decode_begin(model)));
+}
+
+extern "C" fn ubatch_done(user_data: *mut c_void, model: *const sys::llama_model, sched: sys::ggml_backend_sched_t, n_tokens: u32, n_outputs: i32) {
+    let _ = catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).ubatch_done(model, sched, n_tokens, n_outputs)));
+}
+
+extern "C" fn decode_end(user_data: *mut c_void, model: *const sys::llama_model, ctx: *mut sys::llama_context, ret: i32) -> i32 {
+    // A hook that panicked fails the batch (llama_decode's compute error).
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).decode_end(model, ctx, ret))).unwrap_or(-3)
+}
+
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
 pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
     // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
@@ -147,6 +169,9 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         graph_extra_nodes: Some(graph_extra_nodes),
         ple_serves: Some(ple_serves),
         ple_rows: Some(ple_rows),
+        decode_begin: Some(decode_begin),
+        decode_end: Some(decode_end),
+        ubatch_done: Some(ubatch_done),
     };
     // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
     if unsafe { sys::strata_hooks_set(&table) } != 0 {

@@ -12,6 +12,7 @@ mod backend;
 mod batch;
 mod chat;
 mod context;
+mod decode_scope;
 mod error;
 pub mod gemm;
 pub mod hooks;

@@ -34,10 +34,11 @@ pub struct Model {
     ptr: NonNull<sys::llama_model>,
 }
 
-// SAFETY: a loaded llama_model is immutable; llama.cpp reads it concurrently from any number
-// of contexts and threads (this is how llama-server shares one model across slots).
+// SAFETY: a loaded llama_model is not tied to a thread; it is freed once, by Drop.
 unsafe impl Send for Model {}
-// SAFETY: see Send: every API that takes `const llama_model *` is read-only.
+// SAFETY: llama.cpp's model is immutable once loaded and read concurrently by any number of
+// contexts (llama-server shares one across slots). Strata's tiers attached to it change only
+// inside a decode that holds the model's gate (crate::decode_scope), whichever thread runs it.
 unsafe impl Sync for Model {}
 
 impl ModelParams<'static> {

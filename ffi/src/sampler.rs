@@ -1,3 +1,4 @@
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 
 use serde_json::Value;
@@ -9,25 +10,28 @@ use crate::params::ServerParams;
 use crate::shim_string::{call, cstring, take};
 use crate::sys;
 
-/// llama.cpp's `common_sampler`: the server's sampler chain, grammar included.
-pub struct Sampler {
+/// llama.cpp's `common_sampler`: the server's sampler chain, grammar included. It reads the
+/// vocabulary of the model it was made for, which must outlive it (`'m`).
+pub struct Sampler<'m> {
     ptr: NonNull<sys::strata_sampler>,
+    _model: PhantomData<&'m Model>,
 }
 
-// SAFETY: the sampler owns its state exclusively and is used by one thread at a time (&mut).
-unsafe impl Send for Sampler {}
+// SAFETY: the sampler owns its state exclusively and is used by one thread at a time (&mut);
+// the model it reads is Sync.
+unsafe impl Send for Sampler<'_> {}
 
-impl Sampler {
+impl<'m> Sampler<'m> {
     /// Defaults from the parsed flags (or llama.cpp's defaults), overridden by `overrides`
     /// whose keys are common_params_sampling's field names.
-    pub fn new(model: &Model, defaults: Option<&ServerParams>, overrides: &Value) -> Result<Self> {
+    pub fn new(model: &'m Model, defaults: Option<&ServerParams>, overrides: &Value) -> Result<Self> {
         let ovr = cstring(&overrides.to_string(), "sampling overrides")?;
         let params = defaults.map_or(std::ptr::null(), |p| p.as_ptr());
         let ptr = call(|err| {
             // SAFETY: valid model, params (or null) and C string for the call.
             NonNull::new(unsafe { sys::strata_sampler_init(model.as_ptr(), params, ovr.as_ptr(), err) })
         })?;
-        Ok(Self { ptr })
+        Ok(Self { ptr, _model: PhantomData })
     }
 
     pub fn sample(&mut self, ctx: &mut Context<'_>, idx: i32) -> Result<Token> {
@@ -151,7 +155,7 @@ pub fn sampling_settings(defaults: Option<&ServerParams>, overrides: &Value, cha
     Ok(serde_json::from_str(&s)?)
 }
 
-impl Drop for Sampler {
+impl Drop for Sampler<'_> {
     fn drop(&mut self) {
         // SAFETY: owned handle, freed once.
         unsafe { sys::strata_sampler_free(self.ptr.as_ptr()) }

@@ -1,10 +1,11 @@
 //! The host's side of decode steps (STRATA_STEP_TRACE=FILE), for telling a step's device time
 //! from the time the device idles where no timeline profiler runs. For each batch of at most
 //! [`MAX_TOKENS`] tokens: the llama_decode call (the graph's build or reuse, then its launch), the
-//! wait for the device after it, and the host's time from the end of the previous step's wait to
-//! this call (sampling, the server's own work), with the sampler's and the expert tiers'
-//! bookkeeping's shares of it (counting the routing log, lending, adaptation's swaps). Every
-//! [`STEPS_PER_LINE`] steps one JSON line of medians and means, in microseconds.
+//! wait for the device (inside the call for a model with expert tiers, whose decodes end
+//! synchronised), the host's time from the end of the previous step's wait to this call
+//! (sampling, the server's own work) with the sampler's share, and the expert tiers' bookkeeping
+//! inside the call (counting the routing log, adaptation's swaps). Every [`STEPS_PER_LINE`] steps
+//! one JSON line of medians and means, in microseconds.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +33,9 @@ struct Trace {
     last_end: Option<Instant>,
     sample: Duration,
     tiers: Duration,
+    /// Waits for the device inside the llama_decode call (decode_scope synchronises a tiered
+    /// model's context before it returns): wait, not launch.
+    inner_wait: Duration,
 }
 
 static ON: AtomicBool = AtomicBool::new(false);
@@ -40,13 +44,19 @@ static TRACE: Mutex<Option<Trace>> = Mutex::new(None);
 /// Starts tracing into FILE (created or truncated).
 pub fn open(path: &std::path::Path) -> std::io::Result<()> {
     let file = std::fs::File::create(path)?;
-    *TRACE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Trace { file, steps: Vec::new(), last_end: None, sample: Duration::ZERO, tiers: Duration::ZERO });
+    *TRACE.lock().unwrap_or_else(|e| e.into_inner()) =
+        Some(Trace { file, steps: Vec::new(), last_end: None, sample: Duration::ZERO, tiers: Duration::ZERO, inner_wait: Duration::ZERO });
     ON.store(true, Ordering::Release);
     Ok(())
 }
 
 pub(crate) fn active() -> bool {
     ON.load(Ordering::Relaxed)
+}
+
+/// Runs a wait for the device inside a llama_decode call, counted as the step's wait.
+pub(crate) fn device_wait<R>(f: impl FnOnce() -> R) -> R {
+    timed(f, |t| &mut t.inner_wait)
 }
 
 /// Runs a sampler call, its time counted into the next traced step's host time when tracing.
@@ -76,6 +86,7 @@ fn timed<R>(f: impl FnOnce() -> R, part: fn(&mut Trace) -> &mut Duration) -> R {
 pub(crate) fn step(n_tokens: i32, begin: Instant, launched: Instant, end: Instant) {
     let mut guard = TRACE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(t) = guard.as_mut() else { return };
+    let inner = std::mem::take(&mut t.inner_wait);
     if n_tokens > MAX_TOKENS {
         t.last_end = None;
         t.sample = Duration::ZERO;
@@ -85,8 +96,8 @@ pub(crate) fn step(n_tokens: i32, begin: Instant, launched: Instant, end: Instan
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let host_us = t.last_end.map(|e| us(begin.saturating_duration_since(e)));
     t.steps.push(Step {
-        launch_us: us(launched - begin),
-        wait_us: us(end - launched),
+        launch_us: us((launched - begin).saturating_sub(inner)),
+        wait_us: us(end - launched + inner),
         host_us,
         sample_us: us(std::mem::take(&mut t.sample)),
         tiers_us: us(std::mem::take(&mut t.tiers)),

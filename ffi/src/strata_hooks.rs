@@ -1,5 +1,6 @@
-//! The hook table Strata installs in llama.cpp: the expert tiers (crate::moe) and PLE rows
-//! (crate::ple), each a no-op until its module has work for a model.
+//! The hook table Strata installs in llama.cpp: the expert tiers (crate::moe), PLE rows
+//! (crate::ple) and the scope of every decode (crate::decode_scope), each a no-op until its
+//! module has work for a model.
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Once};
@@ -30,6 +31,18 @@ impl Hooks for Strata {
 
     fn ple_rows(&self, args: &mut PleRows<'_>) -> bool {
         crate::ple::fill(args)
+    }
+
+    fn decode_begin(&self, model: *const sys::llama_model) {
+        crate::decode_scope::begin(model);
+    }
+
+    fn ubatch_done(&self, model: *const sys::llama_model, sched: sys::ggml_backend_sched_t, n_tokens: u32, n_outputs: i32) {
+        crate::decode_scope::ubatch_done(model, sched, n_tokens, n_outputs);
+    }
+
+    fn decode_end(&self, model: *const sys::llama_model, ctx: *mut sys::llama_context, ret: i32) -> i32 {
+        crate::decode_scope::end(model, ctx, ret)
     }
 }
 

@@ -7,17 +7,17 @@ use serde_json::{json, Value};
 
 use crate::support::{model, run_server, Server};
 
-const MODEL: &str = "tiny-qwen3moe-iq3.gguf";
+pub(crate) const MODEL: &str = "tiny-qwen3moe-iq3.gguf";
 /// Largest |difference| of a top-3 log-probability between split and unsplit runs.
 const TOL: f64 = 1e-3;
 
-const SHORT: &str = "The tide came in over the rocks";
+pub(crate) const SHORT: &str = "The tide came in over the rocks";
 /// Over 32 tokens, so that its batch takes the prompt path (the cold tier as an offloadable mul_mat_id).
-const LONG: &str = "Write a long story about the sea and the ships that sail on it, with many details about the \
+pub(crate) const LONG: &str = "Write a long story about the sea and the ships that sail on it, with many details about the \
                     sailors and their lives, their food, their songs, the storms they meet and the ports they reach. \
                     Tell it as an old captain would, slowly, by the fire, to the children of the harbour town.";
 
-fn generate(s: &Server, prompt: &str) -> Value {
+pub(crate) fn generate(s: &Server, prompt: &str) -> Value {
     let body = json!({"prompt": prompt, "n_predict": 48, "temperature": 0, "n_probs": 3, "cache_prompt": false,
                       "ignore_eos": true, "return_tokens": true});
     let (status, v) = s.post("/completion", &body);
@@ -26,7 +26,7 @@ fn generate(s: &Server, prompt: &str) -> Value {
 }
 
 /// Same tokens, and top-3 log-probabilities within TOL wherever both list the same token.
-fn assert_same(a: &Value, b: &Value, what: &str) {
+pub(crate) fn assert_same(a: &Value, b: &Value, what: &str) {
     assert_eq!(a["tokens"], b["tokens"], "{what}: greedy tokens differ");
     let (pa, pb) = (a["completion_probabilities"].as_array().unwrap(), b["completion_probabilities"].as_array().unwrap());
     assert_eq!(pa.len(), pb.len(), "{what}");
@@ -52,13 +52,13 @@ fn labelled(s: &Server, name: &str, label: &str, value: &str) -> u64 {
 
 /// The unsplit model's answers to SHORT and LONG, without repacking, as the split runs keep
 /// every expert in GGUF layout.
-fn unsplit(m: &str) -> (Value, Value) {
+pub(crate) fn unsplit(m: &str) -> (Value, Value) {
     let reference = Server::start(&["-m", m, "-c", "2048", "--no-repack"], &[]);
     (generate(&reference, SHORT), generate(&reference, LONG))
 }
 
 /// A cgroup-v2 fixture root for the memory guard: no limits, `avail_kib` of MemAvailable.
-fn guard_root(dir: &Path, avail_kib: u64) -> PathBuf {
+pub(crate) fn guard_root(dir: &Path, avail_kib: u64) -> PathBuf {
     let root = dir.join("root");
     std::fs::create_dir_all(root.join("proc/self")).unwrap();
     std::fs::create_dir_all(root.join("sys/fs/cgroup")).unwrap();
@@ -68,7 +68,7 @@ fn guard_root(dir: &Path, avail_kib: u64) -> PathBuf {
     root
 }
 
-fn tmp(name: &str) -> PathBuf {
+pub(crate) fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("strata-experts-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -76,7 +76,7 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 /// Records a profile of MODEL with --expert-profile-out over two prompts.
-fn record_profile(dir: &Path) -> PathBuf {
+pub(crate) fn record_profile(dir: &Path) -> PathBuf {
     record_profile_of(MODEL, &[], dir)
 }
 
@@ -211,7 +211,7 @@ fn zero_copy_decode_matches_the_unsplit_model_and_counts_as_the_cpu_path_does() 
     assert!(out.stderr.contains("STRATA_LAB: unknown item 'decode-stage'"), "{}", out.stderr);
 }
 
-fn counter(s: &Server, name: &str) -> u64 {
+pub(crate) fn counter(s: &Server, name: &str) -> u64 {
     let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
     let key = format!("strata:{name} ");
     text.lines().find_map(|l| l.strip_prefix(&key)).unwrap_or_else(|| panic!("no {key} in\n{text}")).parse().unwrap()
@@ -449,8 +449,22 @@ fn bad_expert_inputs_get_clear_errors() {
     assert!(e.contains("--resident-cpu-experts") && e.contains("headroom"), "{e}");
 }
 
+/// Selections per layer in a profile written by --expert-profile-out.
+pub(crate) fn layer_totals(profile: &Path) -> std::collections::BTreeMap<u64, u64> {
+    let v: Value = serde_json::from_slice(&std::fs::read(profile).unwrap()).unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    for e in v["ranked"].as_array().unwrap() {
+        *out.entry(e[0].as_u64().unwrap()).or_insert(0) += e[2].as_u64().unwrap();
+    }
+    out
+}
+
 /// The MTP head's layer has experts too: it is tiered like the trunk, and drafting with it keeps
-/// the greedy output of the unsplit model.
+/// the greedy output of the unsplit model. Its draft context is a second context over the same
+/// tiers: with zero-copy decode and adaptation swapping experts after every batch of either
+/// context, the output stays the unsplit model's, and every layer counts the selections of both
+/// contexts' batches as the CPU kernels do (the draft context's decodes used to overwrite each
+/// other's routing logs).
 #[test]
 fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     let m = model("tiny-qwen35moe-mtp.gguf");
@@ -458,7 +472,24 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     let reference = Server::start(&["-m", m, "-c", "4096", "--no-repack", "--spec-type", "draft-mtp"], &[]);
     let want = generate(&reference, LONG);
     drop(reference);
-    let s = Server::start(&["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--mmap-experts", "--expert-cache", "20"], &[]);
+    let dir = tmp("mtp-zero-copy");
+    let kernels_counts = dir.join("kernels.json");
+    let s = Server::start(
+        &[
+            "-m",
+            m,
+            "-c",
+            "4096",
+            "--spec-type",
+            "draft-mtp",
+            "--mmap-experts",
+            "--expert-cache",
+            "20",
+            "--expert-profile-out",
+            kernels_counts.to_str().unwrap(),
+        ],
+        &[],
+    );
     let got = generate(&s, LONG);
     assert_same(&want, &got, "MTP drafting over tiers");
     assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
@@ -466,18 +497,37 @@ fn mtp_drafting_over_tiered_experts_keeps_the_output() {
     assert!(log.contains("experts: 5 MoE layers x 16 experts"), "{log}");
     drop(s);
 
-    // The verify batches (2-5 tokens) through the zero-copy graph, run on the CPU.
-    let dir = tmp("mtp-zero-copy");
-    let profile = record_profile_of("tiny-qwen35moe-mtp.gguf", &["--spec-type", "draft-mtp"], &dir);
+    // The verify batches (2-5 tokens) and the draft context's steps through the zero-copy graph,
+    // run on the CPU, with the hot tier starting even and adapting after every batch.
     let root = guard_root(&dir, 64 << 20);
-    let args =
-        ["-m", m, "-c", "4096", "--spec-type", "draft-mtp", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "20"];
+    let zero_copy_counts = dir.join("zero-copy.json");
+    let args = [
+        "-m",
+        m,
+        "-c",
+        "4096",
+        "--metrics",
+        "--spec-type",
+        "draft-mtp",
+        "--resident-cpu-experts",
+        "--expert-cache",
+        "20",
+        "--adapt-every",
+        "1",
+        "--expert-profile-out",
+        zero_copy_counts.to_str().unwrap(),
+    ];
     let s = Server::start(&args, &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_LAB", "zero-copy")]);
     let got = generate(&s, LONG);
-    assert_same(&want, &got, "MTP drafting over zero-copy decode");
+    assert_same(&want, &got, "MTP drafting over zero-copy decode with adaptation");
     assert!(got["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", got["timings"]);
+    assert!(counter(&s, "expert_swaps_total") > 0, "adaptation swapped no expert");
     let log = s.log.lock().unwrap().clone();
     assert!(log.contains("(zero-copy: one device graph a step"), "{log}");
+    drop(s);
+    let (k, z) = (layer_totals(&kernels_counts), layer_totals(&zero_copy_counts));
+    assert_eq!(k.len(), 5, "{k:?}");
+    assert_eq!(k, z, "selections per layer: CPU kernels vs zero-copy logs (layer 4 is the MTP head's)");
 }
 
 /// A model with MTP layers served without MTP drafting: llama.cpp does not load those layers, and

@@ -95,4 +95,15 @@ fn ngram_speculative_drafts_the_repetition() {
     let expected: Vec<i32> = period.iter().copied().cycle().skip(1).take(16).collect();
     assert_eq!(draft, expected);
     spec.accept(0, 4).unwrap();
+
+    // The drafter keeps its target context's pointer: given another context, or once the target
+    // is freed, its calls fail instead of reaching it.
+    let mut other = Context::new(&m, ContextParams::default().with_n_ctx(512)).unwrap();
+    let batch = strata_ffi::Batch::new(1, 1);
+    let e = spec.process(&mut other, &batch).unwrap_err();
+    assert!(e.to_string().contains("made over another target context"), "{e}");
+    drop(ctx);
+    let e = spec.draft(0, &history, last, 16).unwrap_err();
+    assert!(e.to_string().contains("target context was freed"), "{e}");
+    assert!(spec.seq_rm(0, 0, -1).is_err());
 }

@@ -19,7 +19,7 @@ use strata_residency::adapt::{Adapter, Start, Swap};
 
 use super::layer::LayerTiers;
 use super::tensors::{copy_map_of, hot_map_of, set_map};
-use super::types::{PlaceError, T};
+use super::types::{Exclusive, PlaceError, T};
 use crate::sys;
 
 /// Swaps made after one batch at most (each moves two experts over the bus).
@@ -174,29 +174,22 @@ pub(crate) fn forget_model(model: usize) {
     STATES.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| s.model != model);
 }
 
-/// After each batch a context of `model` decoded: counts it, ends an interval every N batches,
-/// and makes up to [`SWAPS_PER_BATCH`] of the planned swaps. `sync` waits for that context's
-/// device work; it is called, once, only when a swap is about to run. Batches of other models'
-/// contexts (a draft model) are not counted, and their synchronisation would not cover this one.
-pub(crate) fn after_batch(model: usize, sync: &mut dyn FnMut()) {
+/// After each batch a context of the model decoded (the draft context of an MTP head
+/// included): counts it, ends an interval every N batches, and makes up to [`SWAPS_PER_BATCH`]
+/// of the planned swaps, while `ex` proves that no graph of the model is in flight.
+pub(crate) fn after_batch(ex: &Exclusive<'_>) {
     if !ON.load(Ordering::Relaxed) {
         return;
     }
     let mut states = STATES.lock().unwrap_or_else(|e| e.into_inner());
-    let mut synced = false;
-    for st in states.iter_mut().filter(|st| st.model == model) {
+    for st in states.iter_mut().filter(|st| st.model == ex.model) {
         st.batches += 1;
         if st.batches % st.every == 0 {
             st.interval();
         }
-        if st.pending.is_empty() {
-            continue;
+        if !st.pending.is_empty() {
+            st.run(SWAPS_PER_BATCH);
         }
-        if !synced {
-            sync();
-            synced = true;
-        }
-        st.run(SWAPS_PER_BATCH);
     }
 }
 

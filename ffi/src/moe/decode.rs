@@ -26,8 +26,12 @@ pub(crate) fn after_decode(model: usize) {
 /// Set once a tiered layer decodes with zero-copy reads (its log needs reading after a batch).
 pub(crate) static ZERO_COPY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-pub(crate) fn zero_copy_active() -> bool {
-    ZERO_COPY.load(Ordering::Relaxed)
+/// Whether a ubatch of `n_tokens` rows, `n_outputs` of them output rows, may have written
+/// routing logs: a layer of it computed at most MAX_TOKENS rows (the last layer computes only
+/// the output rows).
+pub(crate) fn logs_routing(n_tokens: u32, n_outputs: i32) -> bool {
+    let few = |n: i64| (1..=super::zero_copy::MAX_TOKENS).contains(&n);
+    ZERO_COPY.load(Ordering::Relaxed) && (few(i64::from(n_tokens)) || few(i64::from(n_outputs)))
 }
 
 #[cfg(test)]

@@ -90,9 +90,10 @@ pub(crate) struct LayerTiers {
 }
 
 // SAFETY: the raw tensor pointers refer to buffers owned by `_owned` or by the model, which
-// outlives the registry entry; they are only read after placement.
+// outlives the registry entry (forget_model drops it first); no pointer is tied to a thread.
 unsafe impl Send for LayerTiers {}
-// SAFETY: see Send; mutation after placement goes through atomics only.
+// SAFETY: after placement the fields change only through atomics and mutexes; the memory behind
+// the tensors changes only in adaptation, which takes decode_scope::Exclusive.
 unsafe impl Sync for LayerTiers {}
 
 impl LayerTiers {

@@ -6,6 +6,19 @@
 //! the two partial results add up to the unsplit layer's result (each side is exactly zero
 //! where the other computes).
 //!
+//! Who may touch a layer's tiers:
+//! - Placement (`place`, once per model, before its contexts decode) builds them; `forget_model`
+//!   drops them when llama.cpp frees the model, after every context over it is gone.
+//! - Graph builds read them (`build_experts`), and the graph's custom ops (kernels, ring fills)
+//!   read them and write only the tally's atomics and the ring's state under its lock.
+//! - Everything that changes device memory or maps a graph reads (adaptation's swaps), or reads
+//!   what a graph wrote (the routing logs), runs inside a decode of the model while its thread
+//!   holds the model's gate with every context over it synchronised (crate::decode_scope): the
+//!   functions take `decode_scope::Exclusive`, or run in decode_scope's hooks. Contexts of one
+//!   model (a draft or MTP context beside the target) decode one at a time.
+//! - The worker pool serves one graph at a time (its owner); the ring's copier thread is joined
+//!   before the ring's memory goes.
+//!
 //! Decode batches, and prompt batches (>= [`OFFLOAD_MIN_BATCH`] tokens) expected to select few
 //! cold experts, compute the cold ones with CPU kernels (kernels.rs). Other prompt batches run
 //! the cold tier as a mul_mat_id on its host tensors, which ggml's scheduler offloads to the GPU
@@ -26,9 +39,10 @@ mod tensors;
 mod types;
 mod zero_copy;
 
-pub(crate) use decode::{after_decode, zero_copy_active};
+pub(crate) use decode::{after_decode, logs_routing};
 pub use place::{has_gpu, hot_device_memory, place};
-pub(crate) use registry::{build_experts, extra_nodes, forget_model};
+pub(crate) use registry::{build_experts, extra_nodes, fail, forget_model, take_failure};
 pub use registry::{expert_counts, hits, ring_stats, uploads};
 pub use tensors::{expert_layers, trunk_layers};
-pub use types::{ColdCopy, ExpertLayer, Lab, PlaceError, Placement, Plan, RingCounters, Tally, Tier, OFFLOAD_MIN_BATCH};
+pub(crate) use types::Exclusive;
+pub use types::{ColdCopy, ExpertLayer, Lab, PlaceError, Placement, Plan, RingCounters, RingFault, Tally, Tier, OFFLOAD_MIN_BATCH};

@@ -181,7 +181,11 @@ fn start_ring(
         Some(b) => Some(b),
         None => (!r.emulated).then_some(ring::DEVICE_PACE),
     };
-    r.start(staging_buft, expert_bytes, pace, plan.lab.ring_prefetch_min_p).map_err(|e| PlaceError::Alloc { what: e, bytes: 0, device: "host".into() })?;
+    let no_copier = r.start(staging_buft, expert_bytes, pace, plan.lab.ring_prefetch_min_p, plan.lab.ring_fault).map_err(|e| PlaceError::Alloc {
+        what: e,
+        bytes: 0,
+        device: "host".into(),
+    })?;
     let copy = r.measure_copy(64);
     let workers = plan.cold_threads.max(COLD_MIN_WORKERS) as f64;
     let ringed = entries.iter().map(|(_, lt)| lt).find(|lt| lt.ring.is_some());
@@ -219,6 +223,9 @@ fn start_ring(
     if r.emulated {
         line += "; emulated, every prompt batch takes it";
     }
+    if let Some(why) = no_copier {
+        line += &format!("; {why}");
+    }
     Ok(line)
 }
 
@@ -229,6 +236,9 @@ fn start_ring(
 pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, PlaceError> {
     if !crate::hooks::installed() {
         return Err(PlaceError::NoHooks);
+    }
+    if REGISTRY.read().is_ok_and(|r| r.as_ref().is_some_and(|m| m.values().any(|lt| lt.model == model.as_ptr() as usize))) {
+        return Err(PlaceError::Placed);
     }
     let layers = expert_layers(model);
     let dev = hot_device(main_gpu);
@@ -499,6 +509,7 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         placement.ring = Some(start_ring(r, &entries, dev, gpu, plan, max_expert_bytes)?);
         RINGS.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(r));
     }
+    crate::decode_scope::guard(model.as_ptr() as usize);
     let mut r = REGISTRY.write().expect("registry poisoned");
     let map = r.get_or_insert_with(HashMap::new);
     for (key, lt) in entries {
@@ -510,6 +521,39 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Graphs of the model's contexts point at the tiers placed first; placing again would free
+    /// them under those graphs, so it is refused and the first placement stays.
+    #[test]
+    fn a_model_is_placed_once() {
+        let dir = std::env::var_os("STRATA_MODELS")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"));
+        let path = dir.join("tiny-qwen3moe.gguf");
+        assert!(path.is_file(), "{} is missing: run tools/setup", path.display());
+        crate::install_hooks().expect("hooks");
+        let model = Model::load(&path, &crate::ModelParams::default()).expect("model");
+        let n_used: usize = model.meta("qwen3moe.expert_used_count").unwrap().parse().unwrap();
+        let plan = Plan {
+            hot: expert_layers(&model).into_iter().map(|l| (l.layer, vec![0, 1, 2, 3])).collect(),
+            cold: ColdCopy::Mapped,
+            cold_threads: 0,
+            count_only: false,
+            stand_in: Vec::new(),
+            n_used,
+            cold_share: Vec::new(),
+            pcie_frac: 0.0,
+            ring_half: 0,
+            adapt: None,
+            lab: Default::default(),
+        };
+        let first = place(&model, &plan, 0).expect("first placement");
+        assert_eq!(first.experts[Tier::Hot as usize], 4 * plan.hot.len() as u64);
+        let again = place(&model, &plan, 0).expect_err("a second placement");
+        assert!(matches!(again, PlaceError::Placed), "{again}");
+        let keys = || REGISTRY.read().unwrap().as_ref().map_or(0, |m| m.values().filter(|lt| lt.model == model.as_ptr() as usize).count());
+        assert_eq!(keys(), plan.hot.len(), "the first placement's layers stay registered");
+    }
 
     #[test]
     fn the_flat_pass_starts_where_grouped_gpu_kernels_would_see_a_repeated_id() {

@@ -165,10 +165,17 @@ unsafe fn fill_pass_at(dst: *mut sys::ggml_tensor, k: usize, userdata: *mut c_vo
         (kernels::ids(sel), std::slice::from_raw_parts_mut((*dst).data as *mut i32, (sel.ne[0] * sel.ne[1]) as usize))
     };
     let Some((ring, i)) = lt.ring.as_ref() else { return };
-    let Some(((cols, n_as), skips)) = ring.fill(*i, k, lt.ring_passes(), sel, out) else {
-        // A failed copy cannot be recovered inside a graph; the layer's result would be wrong.
-        crate::backend::log(crate::backend::Verbosity::Error, "prefill ring: copying cold experts to the device failed\n");
-        std::process::abort();
+    let ((cols, n_as), skips) = match ring.fill(*i, k, lt.ring_passes(), sel, out) {
+        Some(r) => r,
+        None => {
+            // The graph runs on with this pass computing nothing (every id skipped); the batch
+            // then fails (decode_scope) and the layer's wrong result reaches no one.
+            let why = "the prefill ring could not copy cold experts to the device";
+            crate::backend::log(crate::backend::Verbosity::Error, &format!("prefill ring: {why}\n"));
+            super::fail(lt.model, why);
+            out.fill(-1);
+            ((0, 0), true)
+        }
     };
     // The pass's mul_mat_ids run next (a later split of this graph, on this thread): tell the
     // backend how little of the tensors this pass uses, and whether some ids are -1 (patches/0003,

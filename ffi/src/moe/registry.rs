@@ -20,11 +20,32 @@ pub(crate) static REGISTRY: RwLock<Option<HashMap<usize, Arc<LayerTiers>>>> = Rw
 /// Drops the tiers of a model being freed.
 pub(crate) fn forget_model(model: *const sys::llama_model) {
     adapt::forget_model(model as usize);
+    crate::decode_scope::forget(model as usize);
+    FAILURES.lock().unwrap_or_else(|e| e.into_inner()).retain(|(m, _)| *m != model as usize);
     if let Ok(mut r) = REGISTRY.write() {
         if let Some(map) = r.as_mut() {
             map.retain(|_, lt| lt.model != model as usize);
         }
     }
+}
+
+/// Why a batch a context of the model is decoding cannot be right, by model.
+static FAILURES: std::sync::Mutex<Vec<(usize, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Records that the batch being decoded over `model` computed without data it needed (its first
+/// reason is kept).
+pub(crate) fn fail(model: usize, why: &str) {
+    let mut f = FAILURES.lock().unwrap_or_else(|e| e.into_inner());
+    if !f.iter().any(|(m, _)| *m == model) {
+        f.push((model, why.to_string()));
+    }
+}
+
+/// Why the batch just decoded over `model` failed, if it did (cleared by asking).
+pub(crate) fn take_failure(model: usize) -> Option<String> {
+    let mut f = FAILURES.lock().unwrap_or_else(|e| e.into_inner());
+    let i = f.iter().position(|(m, _)| *m == model)?;
+    Some(f.swap_remove(i).1)
 }
 
 /// The tiered experts of one layer, or None for a layer without tiers.

@@ -111,6 +111,39 @@ pub struct Lab {
     /// The least chance of use for which the ring prefetches a cold expert
     /// (`ring-prefetch-min-p=P`; None: ring::PREFETCH_MIN_P).
     pub ring_prefetch_min_p: Option<f64>,
+    /// `--resident-cpu-experts` keeps a pageable copy on a GPU, so that decode computes cold
+    /// experts on the CPU (`pageable-copy`; the product path page-locks it where the guard allows).
+    pub pageable_copy: bool,
+    /// A fault the ring's copier injects into itself (`ring-fault=copy:N|die:N|no-thread`).
+    pub ring_fault: Option<RingFault>,
+}
+
+/// Faults the prefill ring's copier injects into itself for tests (`STRATA_LAB=ring-fault=...`),
+/// counting the copy jobs of prompt batches from 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingFault {
+    /// The n-th job's copies fail (`copy:N`).
+    Copy(u64),
+    /// The copier thread panics on taking the n-th job (`die:N`).
+    Die(u64),
+    /// The copier thread cannot be started (`no-thread`).
+    NoThread,
+}
+
+/// Proof that the calling thread holds a model's decode gate (crate::decode_scope) and that no
+/// graph of any context over the model is in flight: what adaptation's swaps need.
+pub(crate) struct Exclusive<'a> {
+    pub(crate) model: usize,
+    _held: std::marker::PhantomData<&'a ()>,
+}
+
+impl Exclusive<'_> {
+    /// # Safety
+    /// The caller holds `model`'s decode gate, every context over the model has synchronised,
+    /// and the proof does not outlive the gate.
+    pub(crate) unsafe fn new(model: usize) -> Self {
+        Self { model, _held: std::marker::PhantomData }
+    }
 }
 
 /// Experts and bytes per tier after placement.
@@ -200,6 +233,8 @@ pub enum PlaceError {
     Activation(i32),
     #[error("allocating {what} ({bytes} bytes) on {device} failed")]
     Alloc { what: String, bytes: u64, device: String },
+    #[error("the model's experts are placed already (graphs of its contexts point at those tiers)")]
+    Placed,
 }
 
 /// What `--adapt-every` asks for.

@@ -1,13 +1,14 @@
 //! `STRATA_LAB`: the expert tiers' settings for tests and experiments, one variable of
 //! comma-separated items (docs/lab.md). The product path is what an empty value gives.
 
-use strata_ffi::moe::{ring, Lab};
+use strata_ffi::moe::{ring, Lab, RingFault as Fault};
 
 /// The variable's name.
 pub const VAR: &str = "STRATA_LAB";
 
 /// The items, with what each takes, as the error for an unknown one lists them.
-const ITEMS: &str = "emulate-ring, zero-copy, flat-ids, ring-trace=FILE, ring-waves=1..8, ring-pace-kib=KIB, ring-prefetch-min-p=0..1";
+const ITEMS: &str =
+    "emulate-ring, zero-copy, pageable-copy, flat-ids, ring-trace=FILE, ring-waves=1..8, ring-pace-kib=KIB, ring-prefetch-min-p=0..1, ring-fault=copy:N|die:N|no-thread";
 
 /// Parses a `STRATA_LAB` value: items separated by commas, each a name or name=value.
 pub fn parse(value: &str) -> Result<Lab, String> {
@@ -29,6 +30,7 @@ pub fn parse(value: &str) -> Result<Lab, String> {
         match name {
             "emulate-ring" => flag(&mut lab.emulate_ring)?,
             "zero-copy" => flag(&mut lab.zero_copy_on_cpu)?,
+            "pageable-copy" => flag(&mut lab.pageable_copy)?,
             "flat-ids" => flag(&mut lab.flat_ids)?,
             "ring-trace" => lab.ring_trace = Some(need()?.into()),
             "ring-waves" => {
@@ -59,6 +61,19 @@ pub fn parse(value: &str) -> Result<Lab, String> {
                         .ok_or_else(|| bad("expected the least chance of use, 0 to 1, for which the prefill ring prefetches a cold expert"))?,
                 )
             }
+            "ring-fault" => {
+                let v = need()?;
+                let nth = |n: &str| n.parse::<u64>().ok().filter(|&n| n >= 1);
+                lab.ring_fault = Some(
+                    match v.split_once(':') {
+                        Some(("copy", n)) => nth(n).map(Fault::Copy),
+                        Some(("die", n)) => nth(n).map(Fault::Die),
+                        None if v == "no-thread" => Some(Fault::NoThread),
+                        _ => None,
+                    }
+                    .ok_or_else(|| bad("expected copy:N (the N-th copy job fails), die:N (the copier thread dies at its N-th job) or no-thread"))?,
+                )
+            }
             _ => return Err(format!("{VAR}: unknown item '{name}': expected a comma-separated list of {ITEMS}")),
         }
     }
@@ -76,6 +91,13 @@ mod tests {
         assert!(lab.emulate_ring && lab.zero_copy_on_cpu && lab.flat_ids);
         assert_eq!(lab.ring_trace.as_deref(), Some(std::path::Path::new("/tmp/t.jsonl")));
         assert_eq!((lab.ring_waves, lab.ring_copy_pace, lab.ring_prefetch_min_p), (Some(2), Some(16 << 10), Some(0.25)));
+        assert!(parse("pageable-copy").unwrap().pageable_copy);
+        assert_eq!(parse("ring-fault=copy:3").unwrap().ring_fault, Some(Fault::Copy(3)));
+        assert_eq!(parse("ring-fault=die:1").unwrap().ring_fault, Some(Fault::Die(1)));
+        assert_eq!(parse("ring-fault=no-thread").unwrap().ring_fault, Some(Fault::NoThread));
+        for bad in ["ring-fault=copy:0", "ring-fault=die", "ring-fault=sometimes", "ring-fault"] {
+            assert!(parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub(super) struct Engine<'m> {
     pub(super) spec: Option<Speculative>,
     pub(super) ctx: Context<'m>,
     pub(super) params: &'m ServerParams,
-    pub(super) slots: Vec<Slot>,
+    pub(super) slots: Vec<Slot<'m>>,
     pub(super) batch: Batch,
     pub(super) n_ctx_slot: usize,
     pub(super) n_predict_default: i32,
@@ -370,9 +370,9 @@ pub(super) struct Shared {
     pub(super) admission: Arc<Admission>,
 }
 
-pub(super) struct Active {
+pub(super) struct Active<'m> {
     pub(super) task: Task,
-    pub(super) sampler: Sampler,
+    pub(super) sampler: Sampler<'m>,
     /// llama-server's task_params::to_json for this task, or why it cannot be written.
     pub(super) settings: Result<Arc<Value>, String>,
     pub(super) gen: Generation,
@@ -409,8 +409,8 @@ pub(super) struct Active {
     pub(super) alora: Option<(usize, usize)>,
 }
 
-impl Active {
-    pub(super) fn new(task: Task, sampler: Sampler, settings: Result<Arc<Value>, String>, n_predict_max: i32, n_cached: usize, lora: Vec<f32>) -> Self {
+impl<'m> Active<'m> {
+    pub(super) fn new(task: Task, sampler: Sampler<'m>, settings: Result<Arc<Value>, String>, n_predict_max: i32, n_cached: usize, lora: Vec<f32>) -> Self {
         Active {
             gen: Generation::new(task.params.stop.clone()),
             task,
@@ -495,7 +495,7 @@ impl Active {
     }
 }
 
-pub(super) struct Slot {
+pub(super) struct Slot<'m> {
     pub(super) id: usize,
     /// Tokens of this slot's sequence now in the KV cache.
     pub(super) cache: Vec<Token>,
@@ -506,7 +506,7 @@ pub(super) struct Slot {
     pub(super) last_used: Instant,
     /// llama-server's t_last_used (ggml's clock, us) as its log shows it: -1 until first used.
     pub(super) t_last_used: i64,
-    pub(super) active: Option<Active>,
+    pub(super) active: Option<Active<'m>>,
     /// Context checkpoints of `cache`, oldest first.
     pub(super) checkpoints: Vec<Checkpoint>,
     /// The first position of `cache` decoded with `lora` (an aLoRA's starts before its
@@ -516,7 +516,7 @@ pub(super) struct Slot {
     pub(super) last: Option<(u64, Value)>,
 }
 
-impl Slot {
+impl Slot<'_> {
     /// Forgets the cached tokens (the caller drops them from the KV cache).
     pub(super) fn forget(&mut self) {
         self.cache.clear();

@@ -202,7 +202,7 @@ impl<'m> Engine<'m> {
         v
     }
 
-    pub(super) fn release(&mut self, id: usize) -> Option<Active> {
+    pub(super) fn release(&mut self, id: usize) -> Option<Active<'m>> {
         let slot = &mut self.slots[id];
         slot.last_used = Instant::now();
         slot.t_last_used = strata_ffi::time_ms() * 1000;

@@ -3,9 +3,12 @@
 //! through the page-locked staging buffer and pacing what it issues.
 
 use std::ffi::c_void;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
+use super::super::types::RingFault as Fault;
+use super::{Ring, PREFETCH_MIN_P};
 use crate::sys;
 
 /// Functions of patches/0002, from the CUDA (or HIP) backend's proc addresses.
@@ -91,6 +94,15 @@ pub(super) struct Job {
     /// Gather through the page-locked staging half `h` first (pageable sources).
     pub(super) staging: Option<usize>,
     pub(super) done: Arc<Done>,
+    /// The ring's count of jobs when this one was submitted, from 1 (for fault injection).
+    pub(super) seq: u64,
+}
+
+impl Drop for Job {
+    /// A job that never ran (the copier died holding it, or it was queued when it did) failed.
+    fn drop(&mut self) {
+        self.done.set_once(false);
+    }
 }
 
 #[derive(Default)]
@@ -103,6 +115,14 @@ impl Done {
     pub(super) fn set(&self, ok: bool) {
         *self.state.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
         self.cv.notify_all();
+    }
+
+    fn set_once(&self, ok: bool) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.is_none() {
+            *s = Some(ok);
+            self.cv.notify_all();
+        }
     }
 
     /// Whether the job has ended, without waiting.
@@ -131,6 +151,13 @@ pub(super) struct Staging {
 
 // SAFETY: the buffer is only written by the copier thread, one job at a time.
 unsafe impl Send for Staging {}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        // SAFETY: allocated by Ring::spawn, owned by one copier thread, freed once.
+        unsafe { sys::ggml_backend_buffer_free(self.buf) };
+    }
+}
 
 /// Consecutive runs of `items` of at most `pace` bytes each (an item larger than that alone),
 /// or all of them as one run without a pace.
@@ -166,11 +193,24 @@ fn stage(pieces: &[Piece], base: usize, half_bytes: usize, h: usize) -> Vec<(usi
     staged
 }
 
-pub(super) fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>, pace: Option<usize>) {
-    let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+pub(super) fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Option<Staging>, pace: Option<usize>, fault: Option<Fault>) {
     while let Ok(job) = rx.recv() {
+        assert!(fault != Some(Fault::Die(job.seq)), "prefill ring copier: fault injected at job {}", job.seq);
+        let ok = run(copier, &job, staging.as_ref(), pace, fault);
+        job.done.set(ok);
+    }
+}
+
+/// Runs a job's copies; whether all succeeded. Without `staging` pageable sources are copied
+/// as they are (slower, and synchronous on a device).
+pub(super) fn run(copier: Copier, job: &Job, staging: Option<&Staging>, pace: Option<usize>, fault: Option<Fault>) -> bool {
+    if fault == Some(Fault::Copy(job.seq)) {
+        return false;
+    }
+    let gather_threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+    {
         // Paced, other host-to-device copies (a batch's ids) queue behind one run, not the whole job.
-        let ok = match (&staging, job.staging) {
+        match (staging, job.staging) {
             (Some(st), Some(h)) => {
                 // Gather into staging half h (parallel reads of the pageable source), then copy.
                 let staged = stage(&job.pieces, st.base, st.half_bytes, h);
@@ -193,12 +233,122 @@ pub(super) fn copier_thread(copier: Copier, rx: mpsc::Receiver<Job>, staging: Op
             _ => paced(&job.pieces, |p| p.bytes, pace)
                 .into_iter()
                 .all(|run| run.iter().all(|p| copier.copy(p.dst as *mut u8, p.src as *const u8, p.bytes)) && copier.wait()),
-        };
-        job.done.set(ok);
+        }
     }
-    if let Some(st) = staging {
-        // SAFETY: allocated in start, freed once when the ring goes away.
-        unsafe { sys::ggml_backend_buffer_free(st.buf) };
+}
+
+/// How the copier is started (again, should it die).
+#[derive(Clone, Copy, Default)]
+pub(super) struct CopierCfg {
+    /// Where the staging buffer for pageable sources comes from, and its bytes.
+    staging: Option<(sys::ggml_backend_buffer_type_t, usize)>,
+    pace: Option<usize>,
+    fault: Option<Fault>,
+}
+
+/// Starting, restarting and feeding the ring's copier.
+impl Ring {
+    /// Starts the copier thread with a staging buffer for pageable sources (of `bytes_per_half`
+    /// per half, page-locked when `buft` is the device's host buffer type). `pace`: at most
+    /// that many bytes in flight, each group waited for before the next is issued (None: a
+    /// job's copies all at once). `min_p`: the least chance of use for which a cold expert is
+    /// prefetched (None: PREFETCH_MIN_P). Returns a note for the start-up log when the copier
+    /// thread could not start (copies then run on the thread that computes the graph).
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        staging_buft: Option<sys::ggml_backend_buffer_type_t>,
+        expert_bytes: usize,
+        pace: Option<usize>,
+        min_p: Option<f64>,
+        fault: Option<Fault>,
+    ) -> Result<Option<String>, String> {
+        self.prefetch_min_p.store(min_p.unwrap_or(PREFETCH_MIN_P).to_bits(), Ordering::Relaxed);
+        let staging = staging_buft.filter(|_| !self.pinned_src).map(|b| (b, 2 * self.half * expert_bytes));
+        *self.copier_cfg.lock().unwrap_or_else(|e| e.into_inner()) = CopierCfg { staging, pace, fault };
+        match self.spawn() {
+            Ok(()) => Ok(None),
+            Err(e) if e.starts_with("the prefill ring's staging") => Err(e),
+            Err(e) => Ok(Some(format!("{e}; copies run on the thread that computes the graph, without overlap"))),
+        }
+    }
+
+    /// Starts a copier thread with its own staging buffer, replacing one that has ended.
+    fn spawn(&self) -> Result<(), String> {
+        let cfg = *self.copier_cfg.lock().unwrap_or_else(|e| e.into_inner());
+        let staging = match cfg.staging {
+            Some((buft, bytes)) => {
+                // SAFETY: valid buffer type.
+                let buf = unsafe { sys::ggml_backend_buft_alloc_buffer(buft, bytes) };
+                if buf.is_null() {
+                    return Err(format!("the prefill ring's staging buffer ({bytes} bytes, page-locked) could not be allocated"));
+                }
+                // SAFETY: valid buffer.
+                let base = unsafe { sys::ggml_backend_buffer_get_base(buf) } as usize;
+                Some(Staging { buf, base, half_bytes: bytes / 2 })
+            }
+            None => None,
+        };
+        if cfg.fault == Some(Fault::NoThread) {
+            return Err("the prefill ring's copier thread could not start: fault injected (STRATA_LAB=ring-fault=no-thread)".into());
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let copier = self.copier;
+        let thread = std::thread::Builder::new()
+            .name("strata-ring".into())
+            .spawn(move || copier_thread(copier, rx, staging, cfg.pace, cfg.fault))
+            .map_err(|e| format!("the prefill ring's copier thread could not start: {e}"))?;
+        if let Some(old) = self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()).replace(thread) {
+            let _ = old.join();
+        }
+        *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+        Ok(())
+    }
+
+    fn send(&self, job: Job) -> Result<(), Job> {
+        match self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(tx) => tx.send(job).map_err(|e| e.0),
+            None => Err(job),
+        }
+    }
+
+    /// Queues `pieces` for the copier. Should the copier have died (its jobs then fail), another
+    /// is started; without one the copies run here.
+    pub(super) fn submit(&self, pieces: Vec<Piece>, h: usize) -> Arc<Done> {
+        if pieces.is_empty() {
+            let done = Arc::new(Done::default());
+            done.set(true);
+            return done;
+        }
+        self.submit_as(pieces, h, self.jobs.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+
+    /// As `submit`, numbered `seq` (0: outside the count of batches' jobs that faults use).
+    pub(super) fn submit_as(&self, pieces: Vec<Piece>, h: usize, seq: u64) -> Arc<Done> {
+        let done = Arc::new(Done::default());
+        let job = Job { pieces, staging: (!self.pinned_src).then_some(h), done: done.clone(), seq };
+        let Err(mut job) = self.send(job) else { return done };
+        let died = self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(std::thread::JoinHandle::is_finished);
+        if died {
+            let again = self.spawn();
+            let msg = match &again {
+                Ok(()) => "prefill ring: the copier thread stopped; started another\n".to_string(),
+                Err(e) => format!("prefill ring: the copier thread stopped and {e}; copies run on the thread that computes the graph\n"),
+            };
+            crate::backend::log(crate::backend::Verbosity::Warn, &msg);
+            if again.is_err() {
+                self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some(old) = self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    let _ = old.join();
+                }
+            }
+            job = match self.send(job) {
+                Ok(()) => return done,
+                Err(j) => j,
+            };
+        }
+        let cfg = *self.copier_cfg.lock().unwrap_or_else(|e| e.into_inner());
+        job.done.set(run(self.copier, &job, None, cfg.pace, cfg.fault));
+        done
     }
 }
 

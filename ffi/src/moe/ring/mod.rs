@@ -12,7 +12,7 @@
 //! The copies run on a copy stream from a page-locked source: the page-locked RAM copy itself,
 //! or one reusable page-locked staging buffer that a copier thread gathers pageable experts into.
 //!
-//! Without a GPU the ring is off. `STRATA_RING_EMULATE=1` builds it on the CPU instead (each
+//! Without a GPU the ring is off. `STRATA_LAB=emulate-ring` builds it on the CPU instead (each
 //! layer's window is a host tensor with a ring of its own, copies are memcpy) so the slot
 //! accounting and the graph can be tested where there is no GPU.
 
@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use super::types::{Mats, Tally, T};
 use crate::sys;
-use copier::{copier_thread, Copier, Done, Fns, Job, Piece, Staging};
+use copier::{Copier, CopierCfg, Done, Fns, Job, Piece};
 pub(crate) use slots::bounds;
 pub use slots::{plan_waves, Placed, Slots, Waves};
 
@@ -94,6 +94,10 @@ pub(crate) struct Ring {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     /// The copier, joined before the ring's memory is freed: it may be copying into it.
     copier_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// How the copier is started (again, should it die).
+    copier_cfg: Mutex<CopierCfg>,
+    /// Jobs submitted so far.
+    jobs: AtomicU64,
     pub stats: RingStats,
     pub cost: Mutex<Option<CostModel>>,
     pinned_src: bool,
@@ -204,6 +208,8 @@ impl Ring {
             state: Mutex::new(State { slots: Slots::new(half), pending: [None, None], batch_bytes: 0, last: None, last_at: None }),
             tx: Mutex::new(None),
             copier_thread: Mutex::new(None),
+            copier_cfg: Mutex::default(),
+            jobs: AtomicU64::new(0),
             stats: RingStats::default(),
             cost: Mutex::new(None),
             pinned_src,
@@ -289,58 +295,6 @@ impl Ring {
         let mut l = self.layers.lock().unwrap_or_else(|e| e.into_inner());
         l.push(Arc::new(layer));
         l.len() - 1
-    }
-
-    /// Starts the copier thread with a staging buffer for pageable sources (of `bytes_per_half`
-    /// per half, page-locked when `buft` is the device's host buffer type). `pace`: at most
-    /// that many bytes in flight, each group waited for before the next is issued (None: a
-    /// job's copies all at once). `min_p`: the least chance of use for which a cold expert is
-    /// prefetched (None: PREFETCH_MIN_P).
-    pub(crate) fn start(
-        self: &Arc<Self>,
-        staging_buft: Option<sys::ggml_backend_buffer_type_t>,
-        expert_bytes: usize,
-        pace: Option<usize>,
-        min_p: Option<f64>,
-    ) -> Result<(), String> {
-        self.prefetch_min_p.store(min_p.unwrap_or(PREFETCH_MIN_P).to_bits(), Ordering::Relaxed);
-        let staging = match staging_buft.filter(|_| !self.pinned_src) {
-            Some(buft) => {
-                let half_bytes = self.half * expert_bytes;
-                // SAFETY: valid buffer type.
-                let buf = unsafe { sys::ggml_backend_buft_alloc_buffer(buft, 2 * half_bytes) };
-                if buf.is_null() {
-                    return Err(format!("the prefill ring's staging buffer ({} bytes, page-locked) could not be allocated", 2 * half_bytes));
-                }
-                // SAFETY: valid buffer.
-                let base = unsafe { sys::ggml_backend_buffer_get_base(buf) } as usize;
-                Some(Staging { buf, base, half_bytes })
-            }
-            None => None,
-        };
-        let (tx, rx) = mpsc::channel::<Job>();
-        let copier = self.copier;
-        let thread = std::thread::Builder::new()
-            .name("strata-ring".into())
-            .spawn(move || copier_thread(copier, rx, staging, pace))
-            .map_err(|e| format!("the prefill ring's copier thread: {e}"))?;
-        *self.tx.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
-        *self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(thread);
-        Ok(())
-    }
-
-    fn submit(&self, pieces: Vec<Piece>, h: usize) -> Arc<Done> {
-        let done = Arc::new(Done::default());
-        if pieces.is_empty() {
-            done.set(true);
-            return done;
-        }
-        let job = Job { pieces, staging: (!self.pinned_src).then_some(h), done: done.clone() };
-        let sent = self.tx.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|tx| tx.send(job).is_ok());
-        if !sent {
-            done.set(false);
-        }
-        done
     }
 
     /// Copies of cold experts into ring slots of the layer's own half, or of its other half's
@@ -562,9 +516,9 @@ impl Ring {
         let pieces = self.pieces(rl, &copies, false);
         let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
         // One warm-up, then the timed copy.
-        self.submit(pieces.clone(), 0).wait();
+        self.submit_as(pieces.clone(), 0, 0).wait();
         let t0 = Instant::now();
-        let (ok, _) = self.submit(pieces, 0).wait();
+        let (ok, _) = self.submit_as(pieces, 0, 0).wait();
         let s = t0.elapsed().as_secs_f64();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.slots.invalidate(0);
@@ -654,7 +608,7 @@ mod tests {
         let hot_slots = vec![0, 1, -1, -1, -1, -1, -1, -1];
         let dst = [vec![own.as_mut_ptr() as usize], vec![other.as_mut_ptr() as usize]];
         ring.register(RingLayer::new(4, vec![(ram.as_ptr() as usize, 4)], dst, cold_rows, hot_slots, Arc::new(Tally::new(8)), 2));
-        ring.start(None, 4, Some(1), None).expect("copier");
+        ring.start(None, 4, Some(1), None, None).expect("copier");
         Bench { ring, own, other, _ram: ram }
     }
 
