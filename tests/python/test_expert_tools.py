@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from strata_tools.device import parity
+from strata_tools.device import counts, parity
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = Path(os.environ.get("STRATA_MODELS", REPO / ".cache" / "models")) / "tiny-qwen3moe-iq3.gguf"
@@ -144,3 +144,32 @@ def test_forced_parity_counts_steps_without_probabilities() -> None:
     assert v["pass"] and v["measured_steps"] == 3 and v["top1_equal_steps"] == 3
     few = parity.compare_forced(a, [[], [], [], got[3]], 0.05)
     assert not few["pass"] and few["measured_steps"] == 1
+
+
+def test_counts_sums_each_layers_selections(tmp_path: Path) -> None:
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps({"ranked": [[0, 3, 10], [1, 2, 7], [0, 1, 5], [1, 0, 0]]}))
+    assert counts.layer_totals(p) == {0: 15, 1: 7}
+
+
+@pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")
+def test_counts_finds_four_slots_at_once_count_as_one_at_a_time(tmp_path: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The sailors sang about the sea and the storms, and the harbour lights went out one by one. " * 40)
+    # a cgroup-v2 fixture with 64 GiB available: the memory guard then admits the RAM copy here
+    root = tmp_path / "root"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("0::/\n")
+    (root / "proc/self/mountinfo").write_text("30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n")
+    (root / "proc/meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")
+    cmd = ["env", "STRATA_LAB=zero-copy", f"STRATA_MEMGUARD_ROOT={root}", str(SERVER), "-m", str(MODEL), "-c", "8192", "--resident-cpu-experts",
+           "--adapt-every", "64", "--expert-cache", "24"]
+    res = subprocess.run([sys.executable, str(REPO / "tools/device/counts"), "--out", str(tmp_path / "out"),
+                          "--prompt-file", str(prompt), "--k", "4", "--n", "12", "--", *cmd],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.splitlines()[-1] == "counts: pass"
+    got = json.loads((tmp_path / "out" / "counts.json").read_text())
+    assert got["pass"] and len(got["alone"]["per_layer"]) == 4
+    assert got["alone"]["per_layer"] == got["together"]["per_layer"]
