@@ -129,9 +129,45 @@ pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<
         }
         None => None,
     };
+    // Before the model and its context load: a guard that cannot read its limits stops the start
+    // now, not after minutes of loading.
+    if cfg.resident_cpu {
+        memguard::measure(&cfg.memguard_root).map_err(|e| guard_failed(cfg, &e))?;
+    }
     // Before the model's contexts exist: they size their graphs by the hook's extra nodes.
     strata_ffi::install_hooks().map_err(|e| e.to_string())?;
     Ok(Prepared { cfg: cfg.clone(), layout, sha256, profile })
+}
+
+/// `--resident-cpu-experts` on a GPU (`gpu`: one the copy may be page-locked for, i.e. not
+/// STRATA_LAB=pageable-copy): the copy is page-locked where the memory guard admits that (decode
+/// then reads cold experts over the bus, zero-copy, as the seed's measured line does), unless
+/// --pcie-frac asks for the CPU path's uploads; the line says which and why.
+fn copy_kind(asked: ColdCopy, gpu: bool, pcie_frac: f64, report: &memguard::Report, bytes: u64) -> (ColdCopy, Option<String>) {
+    if asked != ColdCopy::Ram || !gpu {
+        return (asked, None);
+    }
+    if pcie_frac > 0.0 {
+        let line = "--resident-cpu-experts: the RAM copy stays pageable for --pcie-frac's uploads, so decode computes cold experts on the CPU (zero-copy decode reads a page-locked copy)";
+        return (ColdCopy::Ram, Some(line.into()));
+    }
+    match report.admit(bytes, CopyKind::PageLocked) {
+        Ok(()) => (ColdCopy::PinnedRam, Some("--resident-cpu-experts: the RAM copy is page-locked, as the memory guard allows: decode reads cold experts over the bus (zero-copy)".into())),
+        Err(e) => (ColdCopy::Ram, Some(format!("--resident-cpu-experts: the RAM copy stays pageable, so decode computes cold experts on the CPU (zero-copy decode reads a page-locked copy): {e}"))),
+    }
+}
+
+/// The memory guard's error for the RAM copy's flag, with what to do about it.
+fn guard_failed(cfg: &ExpertConfig, e: &memguard::GuardError) -> String {
+    let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
+    let fix = match e {
+        memguard::GuardError::Refused { .. } => "; give the process more memory, or lower the RAM copy with a larger --expert-cache, or serve the cold experts from the file mapping (--mmap-experts without the RAM copy flags)",
+        memguard::GuardError::UnsupportedOs | memguard::GuardError::NoCgroupV2(_) => {
+            "; the RAM copy is sized from a cgroup-v2 memory controller: run strata-server in a cgroup-v2 hierarchy (a cgroup-v2 host or container, or systemd-run --scope -p MemoryMax=...), or serve the cold experts from the file mapping (--mmap-experts without the RAM copy flags)"
+        }
+        _ => "",
+    };
+    format!("{flag}: {e}{fix}")
 }
 
 /// The placement in effect and the selections counted since: a value the engine owns, read by
@@ -149,6 +185,18 @@ struct Recorder {
     model: Arc<Model>,
     sha256: String,
     layout: ExpertLayout,
+    /// The selections the file held when it is also the --expert-profile read at start: this
+    /// run's add to them, so feeding a profile back in never loses what it had.
+    base: Vec<(i32, Vec<u64>)>,
+}
+
+/// Whether two paths name one file (the second may not exist yet).
+fn same_file(a: &Path, b: &Path) -> bool {
+    let canon = |p: &Path| match std::fs::canonicalize(p) {
+        Ok(c) => Some(c),
+        Err(_) => Some(std::fs::canonicalize(p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))).ok()?.join(p.file_name()?)),
+    };
+    canon(a).is_some_and(|x| canon(b) == Some(x))
 }
 
 fn gib(b: u64) -> String {
@@ -204,7 +252,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     }
     let cfg = &p.cfg;
     let (free, total, dev) = moe::hot_device_memory(main_gpu);
-    let cold = match (cfg.resident_cpu, cfg.pinned) {
+    let mut cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
         (true, true) => ColdCopy::PinnedRam,
@@ -231,11 +279,14 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", line);
     }
     if cold != ColdCopy::Mapped {
-        let root = &cfg.memguard_root;
-        let kind = if cfg.pinned { CopyKind::PageLocked } else { CopyKind::Pageable };
-        let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
-        let report = memguard::measure(root).map_err(|e| format!("{flag}: {e}"))?;
-        report.admit(d.cold_copy_bytes, kind).map_err(|e| format!("{flag}: {e}"))?;
+        let report = memguard::measure(&cfg.memguard_root).map_err(|e| guard_failed(cfg, &e))?;
+        let (kind, line) = copy_kind(cold, moe::has_gpu() && !cfg.lab.pageable_copy, cfg.pcie_frac, &report, d.cold_copy_bytes);
+        cold = kind;
+        if let Some(line) = line {
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
+        }
+        let kind = if cold == ColdCopy::PinnedRam { CopyKind::PageLocked } else { CopyKind::Pageable };
+        report.admit(d.cold_copy_bytes, kind).map_err(|e| guard_failed(cfg, &e))?;
         crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &report.summary().to_string());
     }
     let (floor, ring_half) = (d.floor, d.ring_half);
@@ -340,7 +391,16 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
         _ => {}
     }
     // The profile covers every layer of the file, so it serves with or without MTP drafting.
-    let recorder = cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: full_layout });
+    let base = match (&cfg.profile, &cfg.record, &p.profile) {
+        (Some(input), Some(out), Some(prof)) if same_file(input, out) => {
+            let line = format!("--expert-profile-out {} is the --expert-profile read: this run's selections add to its {} tokens", out.display(), prof.tokens);
+            crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
+            prior(prof, p.layout.n_expert)
+        }
+        _ => Vec::new(),
+    };
+    let recorder =
+        cfg.record.clone().map(|path| Recorder { path, model: model.clone(), sha256: p.sha256.clone().unwrap_or_default(), layout: full_layout, base });
     Ok(Residency { placement, totals: moe::hits(), last_step: [0; 3], recorder })
 }
 
@@ -425,6 +485,12 @@ fn prior(prof: &Profile, n_expert: u32) -> Vec<(i32, Vec<u64>)> {
 
 fn write_profile(r: &Recorder) -> Result<(), String> {
     let mut counts: Vec<(u32, Vec<u64>)> = moe::expert_counts(&r.model).into_iter().map(|(l, c)| (l as u32, c)).collect();
+    for (layer, hits) in &r.base {
+        match counts.iter_mut().find(|(l, _)| *l as i32 == *layer) {
+            Some((_, c)) => c.iter_mut().zip(hits).for_each(|(c, h)| *c += h),
+            None => counts.push((*layer as u32, hits.clone())),
+        }
+    }
     // A layer llama.cpp did not load (MTP without drafting) ran nothing: zero counts, so the
     // profile still covers every layer of the file.
     for l in &r.layout.layers {
@@ -456,6 +522,38 @@ mod tests {
     fn args(v: &[&str]) -> StrataArgs {
         let argv: Vec<String> = std::iter::once("strata-server").chain(v.iter().copied()).map(String::from).collect();
         crate::cli::flags::split(&argv).unwrap().0
+    }
+
+    /// A cgroup-v2 fixture with `avail_gib` available.
+    fn report(avail_gib: u64) -> memguard::Report {
+        let root = std::env::temp_dir().join(format!("strata-copy-kind-{}-{avail_gib}", std::process::id()));
+        std::fs::create_dir_all(root.join("proc/self")).unwrap();
+        std::fs::create_dir_all(root.join("sys/fs/cgroup")).unwrap();
+        std::fs::write(root.join("proc/self/cgroup"), "0::/\n").unwrap();
+        std::fs::write(root.join("proc/self/mountinfo"), "30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n").unwrap();
+        let kib = avail_gib << 20;
+        std::fs::write(root.join("proc/meminfo"), format!("MemTotal: {kib} kB\nMemAvailable: {kib} kB\n")).unwrap();
+        let r = memguard::measure(&root).unwrap();
+        let _ = std::fs::remove_dir_all(&root);
+        r
+    }
+
+    #[test]
+    fn a_ram_copy_on_a_gpu_is_page_locked_where_the_guard_allows() {
+        let gib = 1u64 << 30;
+        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.0, &report(64), 20 * gib);
+        assert_eq!(kind, ColdCopy::PinnedRam);
+        assert!(line.unwrap().contains("page-locked, as the memory guard allows"));
+        // 20 GiB + 12 GiB of page-locked headroom do not fit in 30 GiB; the pageable 8 GiB do
+        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.0, &report(30), 20 * gib);
+        assert_eq!(kind, ColdCopy::Ram);
+        assert!(line.unwrap().contains("stays pageable, so decode computes cold experts on the CPU"));
+        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.25, &report(64), 20 * gib);
+        assert_eq!(kind, ColdCopy::Ram, "--pcie-frac's uploads are the CPU path's");
+        assert!(line.unwrap().contains("--pcie-frac"));
+        assert_eq!(copy_kind(ColdCopy::Ram, false, 0.0, &report(64), gib), (ColdCopy::Ram, None), "no GPU: nothing reads it over a bus");
+        assert_eq!(copy_kind(ColdCopy::PinnedRam, true, 0.0, &report(64), gib), (ColdCopy::PinnedRam, None));
+        assert_eq!(copy_kind(ColdCopy::Mapped, true, 0.0, &report(64), gib), (ColdCopy::Mapped, None));
     }
 
     #[test]

@@ -78,6 +78,19 @@ fn run() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // --spec N without a drafter: the model's MTP head drafts where it has one
+    let drafting = params.to_json().ok().and_then(|cfg| cli::spec::decide(&strata_args, &cfg));
+    if let Some(d) = drafting.as_ref().filter(|d| !d.args.is_empty()) {
+        parse_args.extend(d.args.iter().cloned());
+        params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
+            Ok(ParseOutcome::Parsed(p)) => p,
+            Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(1);
+            }
+        };
+    }
     if let Err(code) = refuse_options(&params) {
         return code;
     }
@@ -85,6 +98,9 @@ fn run() -> ExitCode {
         return router::run_download(link, params);
     }
     log::srv(Verbosity::Info, "llama_server", "initializing ...");
+    if let Some(d) = &drafting {
+        log::srv(Verbosity::Info, "llama_server", &d.line);
+    }
     if let Err(e) = strata_ffi::init_backend(Some(&params)) {
         return fatal(&e.to_string());
     }

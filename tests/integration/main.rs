@@ -19,6 +19,7 @@ mod responses;
 mod router;
 mod rpc;
 mod sampling;
+mod seed;
 mod soundness;
 mod stress;
 mod support;

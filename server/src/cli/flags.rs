@@ -82,7 +82,7 @@ pub const FLAGS: &[Flag] = &[
     Flag {
         name: "--resident-cpu-experts",
         kind: Kind::Switch,
-        help: "copy the experts outside the static GPU cache into ordinary RAM (needs mmap and --expert-profile)",
+        help: "copy the experts outside the static GPU cache into RAM (needs mmap); on a GPU the copy is page-locked where the memory guard allows it, so decode reads cold experts over the bus, else pageable (start-up says which and why)",
         default: "off",
         needs: "--expert-profile (or --adapt-every N)",
         maps_to: None,
@@ -154,9 +154,9 @@ pub const FLAGS: &[Flag] = &[
     Flag {
         name: "--spec",
         kind: Kind::Value("N"),
-        help: "tokens to draft per step; same as --spec-draft-n-max N",
+        help: "tokens to draft per step; same as --spec-draft-n-max N; with no --spec-type or draft model, a model with an MTP head drafts with it (--spec-type draft-mtp), and start-up says which drafter drafts or that none does",
         default: "llama-server's --spec-draft-n-max",
-        needs: "a drafter (--spec-type or a draft model)",
+        needs: "a drafter (--spec-type, a draft model, or the model's MTP head)",
         maps_to: Some(map_spec),
         effect: Effect::Active,
         set: alias,

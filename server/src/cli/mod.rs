@@ -5,4 +5,5 @@ pub mod config;
 pub mod env;
 pub mod flags;
 pub mod lab;
+pub mod spec;
 pub mod upstream;

@@ -1,0 +1,85 @@
+//! The seed's flags as its users type them: what each comes to, said at start-up.
+
+use serde_json::json;
+
+use crate::support::{model, Server};
+
+/// `--spec N` with no drafter named: a model with an MTP head drafts with it (and llama.cpp loads
+/// the head for it); a model without one drafts nothing, and start-up says so either way.
+#[test]
+fn spec_alone_drafts_with_the_mtp_head_or_says_that_nothing_drafts() {
+    let body = json!({"prompt": "The tide came in over the rocks and the", "n_predict": 24, "temperature": 0, "cache_prompt": false});
+    let mtp = model("tiny-qwen35moe-mtp.gguf");
+    let s = Server::start(&["-m", mtp.to_str().unwrap(), "-c", "2048", "--spec", "3"], &[]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("--spec 3: up to 3 draft tokens a step, drafted by the model's MTP head (1 layer(s); --spec-type draft-mtp)"), "{log}");
+    let (status, v) = s.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    assert!(v["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", v["timings"]);
+    drop(s);
+
+    let plain = model("tiny-qwen3moe.gguf");
+    let s = Server::start(&["-m", plain.to_str().unwrap(), "-c", "2048", "--spec", "3"], &[]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("--spec 3: nothing drafts: the model has no MTP head, and no --spec-type or draft model (-md) is given"), "{log}");
+    let (status, v) = s.post("/completion", &body);
+    assert_eq!(status, 200, "{v}");
+    assert!(v["timings"]["draft_n"].is_null() || v["timings"]["draft_n"] == 0, "{}", v["timings"]);
+    drop(s);
+
+    // a drafter named on the command line is the one that drafts
+    let s = Server::start(&["-m", mtp.to_str().unwrap(), "-c", "2048", "--spec", "2", "--spec-type", "ngram-simple"], &[]);
+    let log = s.log.lock().unwrap().clone();
+    assert!(log.contains("--spec 2: up to 2 draft tokens a step, drafted by --spec-type ngram-simple"), "{log}");
+}
+
+/// `--expert-profile P --expert-profile-out P`, a profile fed back in as the docs suggest: the
+/// run's selections add to the file's instead of replacing them.
+#[test]
+fn a_profile_fed_back_in_keeps_what_it_had() {
+    use crate::experts::{generate, layer_totals, record_profile, tmp, MODEL, SHORT};
+    let dir = tmp("profile-in-out");
+    let profile = record_profile(&dir);
+    let tokens = |p: &std::path::Path| serde_json::from_slice::<serde_json::Value>(&std::fs::read(p).unwrap()).unwrap()["tokens"].as_u64().unwrap();
+    let (before, tokens_before) = (layer_totals(&profile), tokens(&profile));
+    let p = profile.to_str().unwrap();
+    let m = model(MODEL);
+    let s = Server::start(
+        &["-m", m.to_str().unwrap(), "-c", "2048", "--mmap-experts", "--expert-cache", "30", "--expert-profile", p, "--expert-profile-out", p],
+        &[],
+    );
+    assert!(s.log.lock().unwrap().contains("is the --expert-profile read: this run's selections add to its"), "{}", s.log.lock().unwrap());
+    generate(&s, SHORT);
+    drop(s);
+    let after = layer_totals(&profile);
+    assert_eq!(after.len(), before.len());
+    for (l, n) in &before {
+        assert!(after[l] > *n, "layer {l}: {} after, {n} before", after[l]);
+    }
+    assert!(tokens(&profile) > tokens_before + 40, "{} tokens after, {tokens_before} before", tokens(&profile));
+}
+
+/// A RAM copy whose memory guard cannot read its limits (a cgroup-v1 memory controller) stops the
+/// start before the model loads, and the error says what to do instead.
+#[test]
+fn a_memory_guard_without_cgroup_v2_stops_the_start_before_the_model_loads() {
+    let dir = crate::experts::tmp("guard-v1");
+    let root = dir.join("root");
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::fs::write(root.join("proc/self/cgroup"), "5:memory:/x\n0::/\n").unwrap();
+    std::fs::write(root.join("proc/self/mountinfo"), "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime shared:4 - cgroup cgroup rw,memory\n").unwrap();
+    std::fs::write(root.join("proc/meminfo"), "MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n").unwrap();
+    let m = model(crate::experts::MODEL);
+    let out = crate::support::run_server(
+        &["-m", m.to_str().unwrap(), "--port", "0", "--resident-cpu-experts", "--adapt-every", "8"],
+        &[("STRATA_MEMGUARD_ROOT", root.to_str().unwrap())],
+    );
+    assert_eq!(out.status, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("--resident-cpu-experts: the memory guard needs cgroup v2") && out.stderr.contains("run strata-server in a cgroup-v2 hierarchy"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stderr.contains("--mmap-experts without the RAM copy flags"), "{}", out.stderr);
+    assert!(!out.stderr.contains("llama_model_loader") && !out.stderr.contains("load_tensors"), "the model loaded first:\n{}", out.stderr);
+}
