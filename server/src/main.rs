@@ -160,6 +160,9 @@ fn serve(
     llama_args: &[String],
     child: Option<std::sync::Arc<router::ChildLink>>,
 ) -> Result<()> {
+    for line in flags::alias_lines(&strata) {
+        log::srv(Verbosity::Info, "llama_server", &line);
+    }
     for w in flags::warnings(&strata, experts.is_some(), &env.set) {
         log::srv(Verbosity::Warn, "llama_server", &w);
     }

@@ -723,6 +723,11 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
         "stays in the file; a batch's rows are read by 32 direct-I/O readers",
         "STRATA_HIPBLASLT_TUNING",
         "creating MTP draft context",
+        "--prefill 8192: --batch-size 8192 --ubatch-size 8192",
+        "--kv int8: --cache-type-k q8_0 --cache-type-v q8_0",
+        "--max-context 262144: --ctx-size 262144",
+        "--spec 4: up to 4 draft tokens a step, drafted by --spec-type draft-mtp",
+        "--kv-resident is accepted but has no effect in this build yet",
     ] {
         assert!(log.contains(line), "no '{line}' in\n{log}");
     }

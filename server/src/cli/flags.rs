@@ -486,6 +486,19 @@ pub fn markdown() -> String {
 
 /// Start-up warnings: flags taken that do nothing here (the expert flags without a tier), and
 /// variables set (`set`, by name) that do nothing without them.
+/// A start-up line for each alias given: the llama-server arguments it stood for (`--spec` has
+/// a line of its own, naming the drafter: cli::spec).
+pub fn alias_lines(strata: &StrataArgs) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, value) in &strata.given {
+        let Some(map) = FLAGS.iter().find(|f| f.name == *name && *name != "--spec").and_then(|f| f.maps_to) else { continue };
+        if let Ok(args) = map(value) {
+            out.push(format!("{name} {value}: {}", args.join(" ")));
+        }
+    }
+    out
+}
+
 pub fn warnings(strata: &StrataArgs, tiers: bool, set: &[&str]) -> Vec<String> {
     let effect = |n: &str| FLAGS.iter().find(|f| f.name == n).map(|f| f.effect);
     let mut out: Vec<String> = Vec::new();
@@ -512,6 +525,20 @@ mod tests {
 
     fn argv(s: &str) -> Vec<String> {
         std::iter::once("strata-server").chain(s.split_whitespace()).map(String::from).collect()
+    }
+
+    #[test]
+    fn each_alias_given_says_what_it_stood_for() {
+        let (strata, _) = split(&argv("--prefill 8192 --kv int8 --max-context 262144 --spec 4 --spec-min-p 0.5 --mmap-experts")).unwrap();
+        assert_eq!(
+            alias_lines(&strata),
+            [
+                "--prefill 8192: --batch-size 8192 --ubatch-size 8192",
+                "--kv int8: --cache-type-k q8_0 --cache-type-v q8_0",
+                "--max-context 262144: --ctx-size 262144",
+                "--spec-min-p 0.5: --spec-draft-p-min 0.5",
+            ]
+        );
     }
 
     #[test]
