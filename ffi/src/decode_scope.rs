@@ -43,8 +43,9 @@ impl Gate {
 static GATES: RwLock<Option<HashMap<usize, Arc<Gate>>>> = RwLock::new(None);
 
 thread_local! {
-    /// The gates this thread holds, by model (a decode holds one; nesting would need two).
-    static HELD: RefCell<Vec<(usize, Arc<Gate>)>> = const { RefCell::new(Vec::new()) };
+    /// The gates this thread holds, by model, with how many decodes of it are open on this
+    /// thread (a decode inside another's hooks would be the second).
+    static HELD: RefCell<Vec<(usize, Arc<Gate>, u32)>> = const { RefCell::new(Vec::new()) };
     /// Why this thread's last decode failed with [`FAILED`], when Strata failed it.
     static FAILURE: RefCell<Option<String>> = const { RefCell::new(None) };
 }
@@ -67,18 +68,18 @@ fn gate(model: usize) -> Option<Arc<Gate>> {
 }
 
 fn holds(model: usize) -> bool {
-    HELD.with(|h| h.borrow().iter().any(|(m, _)| *m == model))
+    HELD.with(|h| h.borrow().iter().any(|(m, _, _)| *m == model))
 }
 
 pub(crate) fn begin(model: *const sys::llama_model) {
     let model = model as usize;
     FAILURE.with(|f| f.borrow_mut().take());
     let Some(g) = gate(model) else { return };
-    if holds(model) {
-        return;
+    let nested = HELD.with(|h| h.borrow_mut().iter_mut().find(|(m, _, _)| *m == model).map(|(_, _, n)| *n += 1).is_some());
+    if !nested {
+        g.acquire();
+        HELD.with(|h| h.borrow_mut().push((model, g, 1)));
     }
-    g.acquire();
-    HELD.with(|h| h.borrow_mut().push((model, g)));
 }
 
 /// After a ubatch's graph was submitted: where a layer of a zero-copy model computed few enough
@@ -104,10 +105,12 @@ impl Drop for Release {
 
 pub(crate) fn end(model: *const sys::llama_model, ctx: *mut sys::llama_context, ret: i32) -> i32 {
     let id = model as usize;
+    // The outermost decode of the model on this thread releases the gate.
     let held = HELD.with(|h| {
         let mut h = h.borrow_mut();
-        let i = h.iter().position(|(m, _)| *m == id)?;
-        Some(h.swap_remove(i).1)
+        let i = h.iter().position(|(m, _, _)| *m == id)?;
+        h[i].2 -= 1;
+        (h[i].2 == 0).then(|| h.swap_remove(i).1)
     });
     let _release = held.map(|g| {
         let r = Release(g);
@@ -165,5 +168,20 @@ mod tests {
         rx.recv_timeout(std::time::Duration::from_secs(5)).expect("the second decode began once the first ended");
         forget(m);
         let _ = other.join();
+    }
+
+    #[test]
+    fn a_decode_inside_a_decode_leaves_the_gate_to_the_outer_one() {
+        let id = Box::new(0u8);
+        let model = &*id as *const u8 as *const sys::llama_model;
+        guard(model as usize);
+        begin(model);
+        begin(model);
+        assert_eq!(end(model, std::ptr::null_mut(), 0), 0);
+        assert!(holds(model as usize), "the outer decode still holds the gate");
+        assert_eq!(end(model, std::ptr::null_mut(), 0), 0);
+        assert!(!holds(model as usize));
+        assert!(!*gate(model as usize).unwrap().busy.lock().unwrap(), "the gate is open again");
+        forget(model as usize);
     }
 }
