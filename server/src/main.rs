@@ -70,25 +70,17 @@ fn run() -> ExitCode {
         // llama.cpp's parser prints the pin's version after this and exits
         eprintln!("strata-server {} (commit {})", env!("CARGO_PKG_VERSION"), env!("STRATA_GIT_COMMIT"));
     }
-    let mut params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
-        Ok(ParseOutcome::Parsed(p)) => p,
-        Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
+    let mut params = match parse_params(&parse_args) {
+        Ok(p) => p,
+        Err(code) => return code,
     };
     // --spec N without a drafter: the model's MTP head drafts where it has one
     let drafting = params.to_json().ok().and_then(|cfg| cli::spec::decide(&strata_args, &cfg));
     if let Some(d) = drafting.as_ref().filter(|d| !d.args.is_empty()) {
         parse_args.extend(d.args.iter().cloned());
-        params = match ServerParams::parse(&parse_args, Some(print_strata_usage)) {
-            Ok(ParseOutcome::Parsed(p)) => p,
-            Ok(ParseOutcome::Rejected) => return ExitCode::from(1),
-            Err(e) => {
-                eprintln!("error: {e}");
-                return ExitCode::from(1);
-            }
+        params = match parse_params(&parse_args) {
+            Ok(p) => p,
+            Err(code) => return code,
         };
     }
     if let Err(code) = refuse_options(&params) {
@@ -126,6 +118,18 @@ fn run() -> ExitCode {
                 log::srv(Verbosity::Error, "llama_server", &format!("{e:#}"));
             }
             ExitCode::from(1)
+        }
+    }
+}
+
+/// llama.cpp's parse of the arguments; a rejection has been reported by its parser.
+fn parse_params(args: &[String]) -> Result<ServerParams, ExitCode> {
+    match ServerParams::parse(args, Some(print_strata_usage)) {
+        Ok(ParseOutcome::Parsed(p)) => Ok(p),
+        Ok(ParseOutcome::Rejected) => Err(ExitCode::from(1)),
+        Err(e) => {
+            eprintln!("error: {e}");
+            Err(ExitCode::from(1))
         }
     }
 }

@@ -22,3 +22,14 @@ def start(binary: Path, args: list[str], stderr=subprocess.DEVNULL) -> tuple[sub
         pytest.fail(f"{binary} {e}")
     return proc, url
 
+
+def guard_root(d: Path) -> Path:
+    """A cgroup-v2 fixture under d with 64 GiB available (STRATA_MEMGUARD_ROOT): the memory guard
+    then admits a RAM copy on any test machine."""
+    root = d / "root"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("0::/\n")
+    (root / "proc/self/mountinfo").write_text("30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n")
+    (root / "proc/meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")
+    return root

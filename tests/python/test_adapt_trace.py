@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import servers
 from strata_tools import split_arms
 from strata_tools.device import adapt_trace
 
@@ -45,23 +46,13 @@ def test_reverse_gives_each_layer_its_ranking_backwards(tmp_path: Path) -> None:
     assert "reversed" in got["source"]
 
 
-def guard_root(d: Path) -> Path:
-    root = d / "root"
-    (root / "proc/self").mkdir(parents=True)
-    (root / "sys/fs/cgroup").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text("0::/\n")
-    (root / "proc/self/mountinfo").write_text("30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n")
-    (root / "proc/meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")
-    return root
-
-
 @pytest.mark.skipif(not (MODEL.exists() and SERVER.exists()), reason="needs tools/setup (tiny models, release build)")
 def test_a_trace_of_two_arms_counts_decode_selections(tmp_path: Path) -> None:
     common = [str(SERVER), "-m", str(MODEL), "-c", "2048", "--metrics", "--expert-cache", "24"]
     argv = ["--out", str(tmp_path / "out"), "--prompt-file", str(REPO / "docs/expert-tiers.md"), "--windows", "3",
             "--steps", "20", "--", "fixed=" + common[0], *common[1:], "--mmap-experts", "---",
             "adapt=" + common[0], *common[1:], "--resident-cpu-experts", "--adapt-every", "4"]
-    env = dict(os.environ, STRATA_MEMGUARD_ROOT=str(guard_root(tmp_path)))
+    env = dict(os.environ, STRATA_MEMGUARD_ROOT=str(servers.guard_root(tmp_path)))
     res = subprocess.run([sys.executable, str(REPO / "tools/device/adapt-trace"), *argv], capture_output=True, text=True,
                          env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import servers
 from strata_tools.device import counts, parity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,13 +157,7 @@ def test_counts_sums_each_layers_selections(tmp_path: Path) -> None:
 def test_counts_finds_four_slots_at_once_count_as_one_at_a_time(tmp_path: Path) -> None:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The sailors sang about the sea and the storms, and the harbour lights went out one by one. " * 40)
-    # a cgroup-v2 fixture with 64 GiB available: the memory guard then admits the RAM copy here
-    root = tmp_path / "root"
-    (root / "proc/self").mkdir(parents=True)
-    (root / "sys/fs/cgroup").mkdir(parents=True)
-    (root / "proc/self/cgroup").write_text("0::/\n")
-    (root / "proc/self/mountinfo").write_text("30 25 0:26 / /sys/fs/cgroup rw,relatime shared:4 - cgroup2 cgroup2 rw\n")
-    (root / "proc/meminfo").write_text("MemTotal: 67108864 kB\nMemAvailable: 67108864 kB\n")
+    root = servers.guard_root(tmp_path)
     cmd = ["env", "STRATA_LAB=zero-copy", f"STRATA_MEMGUARD_ROOT={root}", str(SERVER), "-m", str(MODEL), "-c", "8192", "--resident-cpu-experts",
            "--adapt-every", "64", "--expert-cache", "24"]
     res = subprocess.run([sys.executable, str(REPO / "tools/device/counts"), "--out", str(tmp_path / "out"),
