@@ -142,6 +142,11 @@ impl Report {
         Err(GuardError::Refused { kind, request, headroom, available: self.available, what, detail })
     }
 
+    /// The most bytes a copy of `kind` may take and leave its headroom free.
+    pub fn allowance(&self, kind: CopyKind) -> u64 {
+        self.available.saturating_sub(kind.headroom())
+    }
+
     /// One log line: the available memory, the bound that sets it, and the other bounds.
     pub fn summary(&self) -> String {
         let mut line = format!("memory guard: {} available", gib(self.available));

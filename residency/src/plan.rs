@@ -137,19 +137,54 @@ pub fn decide(i: &Inputs) -> Decision {
     };
     let cold_copy_bytes = match i.cold {
         ColdCopy::Mapped => 0,
-        // each layer's copy holds its cold experts and one zero row
-        ColdCopy::Ram | ColdCopy::PinnedRam => layout
-            .layers
-            .iter()
-            .map(|l| {
-                let n_hot = hot.iter().find(|(il, _)| *il == l.layer as i32).map_or(0, |(_, h)| h.len() as u64);
-                (u64::from(layout.n_expert) - n_hot + 1) * l.expert_bytes()
-            })
-            .sum(),
+        ColdCopy::Ram | ColdCopy::PinnedRam => copy_bytes(layout, &hot).iter().map(|&(_, b)| b).sum(),
     };
     let stand_in = stand_ins(&ranking, &hot);
     let cold_share = i.profile.map(|prof| cold_shares(prof, &hot)).unwrap_or_default();
     Decision { budget, max, ranking, hot, floor, ring_half, pool_workers, cold_copy_bytes, stand_in, cold_share, clamps }
+}
+
+/// Bytes of each layer's RAM copy: its cold experts and one zero row.
+pub fn copy_bytes(layout: &ExpertLayout, hot: &Hot) -> Vec<(i32, u64)> {
+    layout
+        .layers
+        .iter()
+        .map(|l| {
+            let n_hot = hot.iter().find(|(il, _)| *il == l.layer as i32).map_or(0, |(_, h)| h.len() as u64);
+            (l.layer as i32, (u64::from(layout.n_expert) - n_hot + 1) * l.expert_bytes())
+        })
+        .collect()
+}
+
+/// A RAM copy cut to what the memory guard admits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RamSplit {
+    /// Bytes of the layers copied.
+    pub copied: u64,
+    /// Layers whose cold experts stay in the file mapping, ascending.
+    pub mapped: Vec<i32>,
+}
+
+/// The RAM rule: when the memory guard admits only `allowed` bytes of the RAM copy, the layers
+/// whose cold tier takes the most selections per byte are copied (by `cold_share`, the
+/// profile's share of each layer's selections that miss the hot tier; layers not listed count
+/// as `default_share`) and the others stay in the mapping. A layer's copy is whole: its cold
+/// tier is one tensor that the kernels, the ring and zero-copy decode address by row.
+pub fn ram_split(copy: &[(i32, u64)], cold_share: &[(i32, f64)], default_share: f64, allowed: u64) -> RamSplit {
+    let share = |il: i32| cold_share.iter().find(|(l, _)| *l == il).map_or(default_share, |&(_, s)| s);
+    let mut order: Vec<(i32, u64)> = copy.to_vec();
+    // most selections per byte first; ties by layer
+    order.sort_by(|a, b| (share(b.0) / b.1.max(1) as f64).total_cmp(&(share(a.0) / a.1.max(1) as f64)).then(a.0.cmp(&b.0)));
+    let (mut copied, mut mapped) = (0u64, Vec::new());
+    for (il, bytes) in order {
+        if copied + bytes <= allowed {
+            copied += bytes;
+        } else {
+            mapped.push(il);
+        }
+    }
+    mapped.sort_unstable();
+    RamSplit { copied, mapped }
 }
 
 /// (layer, expert) in the order the hot tier is filled: the profile's ranking, or without one
@@ -355,6 +390,26 @@ mod tests {
         assert!(plain[2].1.is_empty(), "without the floor layer 2 gets nothing: {plain:?}");
         assert_eq!(adapt_floor(&plain), 1, "6 hot over 3 layers: half the average of 2");
     }
+    #[test]
+    fn the_ram_rule_copies_the_layers_with_most_cold_selections_per_byte() {
+        let lay = layout(4, 8);
+        // layer 0 keeps 4 experts hot, the others 2: copies of 5 and 7 rows of 100 bytes
+        let hot: Hot = vec![(0, vec![0, 1, 2, 3]), (1, vec![0, 1]), (2, vec![0, 1]), (3, vec![0, 1])];
+        let copy = copy_bytes(&lay, &hot);
+        assert_eq!(copy, vec![(0, 500), (1, 700), (2, 700), (3, 700)]);
+        let shares = vec![(0, 0.1), (1, 0.2), (2, 0.5), (3, 0.3)];
+        let all = ram_split(&copy, &shares, 1.0, 2600);
+        assert_eq!(all, RamSplit { copied: 2600, mapped: vec![] }, "everything admitted");
+        let some = ram_split(&copy, &shares, 1.0, 1500);
+        assert_eq!(some, RamSplit { copied: 1400, mapped: vec![0, 1] }, "layers 2 and 3 take the most cold selections");
+        // what does not fit is skipped, and a smaller layer further down still fits
+        let rest = ram_split(&copy, &shares, 1.0, 1900);
+        assert_eq!(rest, RamSplit { copied: 1900, mapped: vec![1] });
+        assert_eq!(ram_split(&copy, &shares, 1.0, 0), RamSplit { copied: 0, mapped: vec![0, 1, 2, 3] }, "nothing admitted: all mapped");
+        // without a profile every layer counts the same; the smaller copy first, then by layer
+        assert_eq!(ram_split(&copy, &[], 1.0, 1200).mapped, vec![2, 3]);
+    }
+
     use crate::gguf::{ExpertLayer, ExpertMatrix, MatKind};
     use crate::profile::Entry;
 

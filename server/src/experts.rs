@@ -41,6 +41,8 @@ pub struct ExpertConfig {
     /// STRATA_MEMGUARD_ROOT: where the memory guard reads /proc and the cgroup files.
     pub memguard_root: PathBuf,
     pub lab: moe::Lab,
+    /// The expert flags given on the command line, for the start-up line of each one's effect.
+    pub given: Vec<(&'static str, String)>,
 }
 
 impl ExpertConfig {
@@ -65,6 +67,7 @@ impl ExpertConfig {
             hot_tier,
             memguard_root: env.memguard_root.clone(),
             lab: env.lab.clone(),
+            given: a.given.clone(),
         };
         if cfg.resident_cpu && cfg.profile.is_none() && cfg.adapt_every == 0 {
             return Err(
@@ -140,10 +143,10 @@ pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<
 }
 
 /// `--resident-cpu-experts` on a GPU (`gpu`: one the copy may be page-locked for, i.e. not
-/// STRATA_LAB=pageable-copy): the copy is page-locked where the memory guard admits that (decode
-/// then reads cold experts over the bus, zero-copy, as the seed's measured line does), unless
-/// --pcie-frac asks for the CPU path's uploads; the line says which and why.
-fn copy_kind(asked: ColdCopy, gpu: bool, pcie_frac: f64, report: &memguard::Report, bytes: u64) -> (ColdCopy, Option<String>) {
+/// STRATA_LAB=pageable-copy): the copy is page-locked (decode then reads cold experts over the
+/// bus, zero-copy, as the seed's measured line does), unless --pcie-frac asks for the CPU path's
+/// uploads; the line says which and why. How much of it the memory guard admits is the RAM rule's.
+fn copy_kind(asked: ColdCopy, gpu: bool, pcie_frac: f64) -> (ColdCopy, Option<String>) {
     if asked != ColdCopy::Ram || !gpu {
         return (asked, None);
     }
@@ -151,10 +154,93 @@ fn copy_kind(asked: ColdCopy, gpu: bool, pcie_frac: f64, report: &memguard::Repo
         let line = "--resident-cpu-experts: the RAM copy stays pageable for --pcie-frac's uploads, so decode computes cold experts on the CPU (zero-copy decode reads a page-locked copy)";
         return (ColdCopy::Ram, Some(line.into()));
     }
-    match report.admit(bytes, CopyKind::PageLocked) {
-        Ok(()) => (ColdCopy::PinnedRam, Some("--resident-cpu-experts: the RAM copy is page-locked, as the memory guard allows: decode reads cold experts over the bus (zero-copy)".into())),
-        Err(e) => (ColdCopy::Ram, Some(format!("--resident-cpu-experts: the RAM copy stays pageable, so decode computes cold experts on the CPU (zero-copy decode reads a page-locked copy): {e}"))),
+    (
+        ColdCopy::PinnedRam,
+        Some("--resident-cpu-experts: the RAM copy is page-locked on the GPU's host: decode reads cold experts over the bus (zero-copy)".into()),
+    )
+}
+
+/// The RAM rule's start-up line when the memory guard admits only part of the copy.
+fn ram_rule_line(flag: &str, kind: CopyKind, (allowed, total): (u64, u64), n_layers: usize, split: &plan::RamSplit, profile: bool, gpu: bool) -> String {
+    let copied = n_layers - split.mapped.len();
+    let list = split.mapped.iter().map(i32::to_string).collect::<Vec<_>>().join(", ");
+    let order = if profile { "those whose cold experts the profile selects most per byte" } else { "in layer order (no --expert-profile ranks them)" };
+    let how =
+        if gpu { "decode computes them on the CPU, prompt batches copy them to the GPU as they would from the RAM copy" } else { "the CPU computes them" };
+    format!(
+        "{flag}: the memory guard admits {} of the {} {kind} RAM copy: {copied} of {n_layers} layers copied ({}), {order}; the cold experts of layer{} {list} are read from the model file ({how})",
+        size(allowed),
+        size(total),
+        size(split.copied),
+        if split.mapped.len() == 1 { "" } else { "s" },
+    )
+}
+
+/// GiB, or MiB below one GiB.
+fn size(b: u64) -> String {
+    if b >= 1 << 30 {
+        gib(b)
+    } else {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
     }
+}
+
+/// What placement came to, for the flags' effect lines.
+struct Facts<'a> {
+    placement: &'a Placement,
+    cold: ColdCopy,
+    n_mapped_layers: usize,
+    n_layers: usize,
+    hit_note: &'a str,
+    gpu: bool,
+}
+
+/// One start-up line per expert flag given: what it came to on this machine.
+fn effect_lines(cfg: &ExpertConfig, f: &Facts) -> Vec<String> {
+    let pl = f.placement;
+    let n = |t: Tier| pl.experts[t as usize];
+    let b = |t: Tier| size(pl.bytes[t as usize]);
+    let mut out = Vec::new();
+    for (flag, value) in &cfg.given {
+        let effect = match *flag {
+            "--mmap-experts" => format!("the experts stay in the file mapping; {} cold experts ({}) are read from it", n(Tier::Mapped), b(Tier::Mapped)),
+            "--resident-cpu-experts" | "--resident-experts" => {
+                let kind = if f.cold == ColdCopy::PinnedRam { "page-locked" } else { "pageable" };
+                let left = match f.n_mapped_layers {
+                    0 => String::new(),
+                    k => format!("; the memory guard left the cold experts of {k} of {} layers in the mapping", f.n_layers),
+                };
+                format!("a {kind} RAM copy of {} cold experts ({}){left}", n(Tier::Ram), b(Tier::Ram))
+            }
+            "--expert-profile" => format!("ranks the hot tier: {}", f.hit_note),
+            "--expert-profile-out" => "the selections counted are written as a ranked profile after each request".into(),
+            "--expert-cache" => format!("{} experts hot ({})", n(Tier::Hot), b(Tier::Hot)),
+            "--pool-workers" => match (pl.workers, pl.zero_copy_layers) {
+                (0, _) => "no worker pool: the CPU backend's threads compute cold experts".into(),
+                (w, z) if z == f.n_layers => format!(
+                    "{w} workers compute cold experts of prompt batches that do not take the ring; decode reads every tiered layer's cold experts zero-copy"
+                ),
+                (w, z) => format!(
+                    "{w} workers compute the cold experts of decode in {} of {} tiered layers and of prompt batches that do not take the ring",
+                    f.n_layers - z,
+                    f.n_layers
+                ),
+            },
+            "--adapt-every" => match (cfg.adapt_every, pl.adapt_layers) {
+                (0, _) => "off, the hot tier keeps its placement".into(),
+                (_, 0) => format!("no layer adapts ({})", pl.adapt_off.as_deref().unwrap_or("no layer has both tiers")),
+                (e, k) => format!("{k} layers exchange experts between the hot tier and the RAM copy every {e} batches"),
+            },
+            "--pcie-frac" if cfg.pcie_frac == 0.0 => "no decode step uploads cold experts".into(),
+            "--pcie-frac" => format!("{:.0}% of each decode step's cold experts are uploaded to the GPU", 100.0 * cfg.pcie_frac),
+            "--vram-reserve-mib" if !f.gpu => "no GPU, nothing to reserve".into(),
+            "--vram-reserve-mib" => format!("{} MiB of {} left free beside the hot tier", cfg.vram_reserve_mib, pl.hot_device),
+            _ => continue,
+        };
+        let sep = if value.is_empty() { "" } else { " " };
+        out.push(format!("{flag}{sep}{value}: {effect}"));
+    }
+    out
 }
 
 /// The memory guard's error for the RAM copy's flag, with what to do about it.
@@ -278,21 +364,31 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     for line in &d.clamps {
         crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", line);
     }
+    let mut mapped = Vec::new();
     if cold != ColdCopy::Mapped {
         let report = memguard::measure(&cfg.memguard_root).map_err(|e| guard_failed(cfg, &e))?;
-        let (kind, line) = copy_kind(cold, moe::has_gpu() && !cfg.lab.pageable_copy, cfg.pcie_frac, &report, d.cold_copy_bytes);
+        let (kind, line) = copy_kind(cold, moe::has_gpu() && !cfg.lab.pageable_copy, cfg.pcie_frac);
         cold = kind;
         if let Some(line) = line {
             crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
         }
         let kind = if cold == ColdCopy::PinnedRam { CopyKind::PageLocked } else { CopyKind::Pageable };
-        report.admit(d.cold_copy_bytes, kind).map_err(|e| guard_failed(cfg, &e))?;
         crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &report.summary().to_string());
+        let allowed = report.allowance(kind);
+        let split = plan::ram_split(&plan::copy_bytes(&p.layout, &d.hot), &d.cold_share, 1.0, allowed);
+        if !split.mapped.is_empty() {
+            let flag = if cfg.pinned { "--resident-experts" } else { "--resident-cpu-experts" };
+            let line = ram_rule_line(flag, kind, (allowed, d.cold_copy_bytes), p.layout.layers.len(), &split, p.profile.is_some(), moe::has_gpu());
+            crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
+        }
+        mapped = split.mapped;
     }
+    let mapped_layers = mapped.len();
     let (floor, ring_half) = (d.floor, d.ring_half);
     let plan = moe::Plan {
         hot: d.hot,
         cold,
+        mapped,
         cold_threads: d.pool_workers,
         count_only: !cfg.hot_tier,
         stand_in: d.stand_in,
@@ -389,6 +485,11 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
             crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "prefill ring: off (no GPU): prompt batches compute their cold experts on the CPU")
         }
         _ => {}
+    }
+    let facts =
+        Facts { placement: &placement, cold, n_mapped_layers: mapped_layers, n_layers: p.layout.layers.len(), hit_note: &hit_note, gpu: moe::has_gpu() };
+    for line in effect_lines(cfg, &facts) {
+        crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
     }
     // The profile covers every layer of the file, so it serves with or without MTP drafting.
     let base = match (&cfg.profile, &cfg.record, &p.profile) {
@@ -539,21 +640,25 @@ mod tests {
     }
 
     #[test]
-    fn a_ram_copy_on_a_gpu_is_page_locked_where_the_guard_allows() {
-        let gib = 1u64 << 30;
-        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.0, &report(64), 20 * gib);
+    fn a_ram_copy_on_a_gpu_is_page_locked_and_the_guard_sizes_it() {
+        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.0);
         assert_eq!(kind, ColdCopy::PinnedRam);
-        assert!(line.unwrap().contains("page-locked, as the memory guard allows"));
-        // 20 GiB + 12 GiB of page-locked headroom do not fit in 30 GiB; the pageable 8 GiB do
-        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.0, &report(30), 20 * gib);
-        assert_eq!(kind, ColdCopy::Ram);
-        assert!(line.unwrap().contains("stays pageable, so decode computes cold experts on the CPU"));
-        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.25, &report(64), 20 * gib);
+        assert!(line.unwrap().contains("page-locked on the GPU's host: decode reads cold experts over the bus"));
+        let (kind, line) = copy_kind(ColdCopy::Ram, true, 0.25);
         assert_eq!(kind, ColdCopy::Ram, "--pcie-frac's uploads are the CPU path's");
         assert!(line.unwrap().contains("--pcie-frac"));
-        assert_eq!(copy_kind(ColdCopy::Ram, false, 0.0, &report(64), gib), (ColdCopy::Ram, None), "no GPU: nothing reads it over a bus");
-        assert_eq!(copy_kind(ColdCopy::PinnedRam, true, 0.0, &report(64), gib), (ColdCopy::PinnedRam, None));
-        assert_eq!(copy_kind(ColdCopy::Mapped, true, 0.0, &report(64), gib), (ColdCopy::Mapped, None));
+        assert_eq!(copy_kind(ColdCopy::Ram, false, 0.0), (ColdCopy::Ram, None), "no GPU: nothing reads it over a bus");
+        assert_eq!(copy_kind(ColdCopy::PinnedRam, true, 0.0), (ColdCopy::PinnedRam, None));
+        assert_eq!(copy_kind(ColdCopy::Mapped, true, 0.0), (ColdCopy::Mapped, None));
+        // 30 GiB available: a page-locked copy keeps 12 GiB of headroom, a pageable one 8
+        let gib = 1u64 << 30;
+        let r = report(30);
+        assert_eq!((r.allowance(CopyKind::PageLocked), r.allowance(CopyKind::Pageable)), (18 * gib, 22 * gib));
+        assert_eq!(report(4).allowance(CopyKind::Pageable), 0);
+        let split = plan::RamSplit { copied: 18 * gib, mapped: vec![3, 7] };
+        let line = ram_rule_line("--resident-cpu-experts", CopyKind::PageLocked, (18 * gib, 20 * gib), 8, &split, true, true);
+        assert!(line.contains("admits 18.00 GiB of the 20.00 GiB page-locked RAM copy: 6 of 8 layers copied (18.00 GiB)"), "{line}");
+        assert!(line.contains("the cold experts of layers 3, 7 are read from the model file"), "{line}");
     }
 
     #[test]

@@ -83,3 +83,51 @@ fn a_memory_guard_without_cgroup_v2_stops_the_start_before_the_model_loads() {
     assert!(out.stderr.contains("--mmap-experts without the RAM copy flags"), "{}", out.stderr);
     assert!(!out.stderr.contains("llama_model_loader") && !out.stderr.contains("load_tensors"), "the model loaded first:\n{}", out.stderr);
 }
+
+/// The RAM rule: where the memory guard admits only part of the RAM copy, that part is copied
+/// (the layers whose cold experts the profile selects most) and the other layers' cold experts
+/// are read from the mapping, with the unsplit model's output, on the CPU path and with the
+/// GPU's mechanisms on the CPU (zero-copy decode beside CPU layers, the ring copying from both);
+/// a guard that admits nothing leaves every cold expert in the mapping. It used to refuse to load.
+#[test]
+fn a_ram_copy_larger_than_the_guard_allows_copies_part_and_maps_the_rest() {
+    use crate::experts::{assert_same, generate, guard_root, metric, record_profile, tmp, unsplit, LONG, MODEL, SHORT};
+    let m = model(MODEL);
+    let ms = m.to_str().unwrap();
+    let (ref_short, ref_long) = unsplit(ms);
+    let dir = tmp("ram-rule");
+    let profile = record_profile(&dir);
+    let (_, layout) = strata_residency::gguf::validate(&m).unwrap();
+    // 8 GiB of headroom plus about half the copy of 40 cold experts and 4 pads
+    let part = (8 << 20) + layout.total_expert_bytes() / 3 / 1024;
+    for (avail_kib, lab) in [(part, ""), (part, "zero-copy,emulate-ring"), (4 << 20, "")] {
+        let root = guard_root(&dir, avail_kib);
+        let env = [("STRATA_MEMGUARD_ROOT", root.to_str().unwrap()), ("STRATA_LAB", lab)];
+        let args = ["-m", ms, "-c", "2048", "--metrics", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "24"];
+        let s = Server::start(&args, &env);
+        let what = format!("{avail_kib} KiB available, STRATA_LAB={lab:?}");
+        assert_same(&ref_short, &generate(&s, SHORT), &format!("{what}, short prompt"));
+        assert_same(&ref_long, &generate(&s, LONG), &format!("{what}, long prompt"));
+        let log = s.log.lock().unwrap().clone();
+        let copied: usize = log
+            .split("layers copied")
+            .next()
+            .and_then(|head| head.rsplit(": ").next())
+            .and_then(|t| t.split(" of ").next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{what}: no RAM rule line in\n{log}"));
+        assert!(log.contains("those whose cold experts the profile selects most per byte"), "{log}");
+        let (ram, mapped) = (metric(&s, "experts_resident", "ram"), metric(&s, "experts_resident", "mmap"));
+        assert_eq!(ram + mapped, 64 - 24, "{what}");
+        if avail_kib == part {
+            assert!((1..4).contains(&copied), "{what}: {copied} of 4 layers copied\n{log}");
+            assert!(ram > 0 && mapped > 0, "{what}: {ram} in RAM, {mapped} mapped");
+            assert!(metric(&s, "expert_selections_total", "ram") > 0 && metric(&s, "expert_selections_total", "mmap") > 0, "{what}");
+        } else {
+            assert_eq!((copied, ram), (0, 0), "{what}");
+        }
+        if lab.contains("zero-copy") {
+            assert!(log.contains(&format!("from the page-locked RAM copy in {copied} of 4 tiered layers (zero-copy")), "{log}");
+        }
+    }
+}

@@ -191,8 +191,12 @@ fn start_ring(
     let ringed = entries.iter().map(|(_, lt)| lt).find(|lt| lt.ring.is_some());
     let cpu = ringed.and_then(|lt| prefill::measure_cpu(lt, 16));
     let source = match plan.cold {
-        ColdCopy::PinnedRam => "straight from the page-locked RAM copy",
-        ColdCopy::Ram => "through a page-locked staging buffer from the RAM copy",
+        ColdCopy::PinnedRam if plan.mapped.is_empty() => "straight from the page-locked RAM copy",
+        ColdCopy::PinnedRam => {
+            "straight from the page-locked RAM copy, and through a page-locked staging buffer from the file mapping for the layers it leaves there"
+        }
+        ColdCopy::Ram if plan.mapped.is_empty() => "through a page-locked staging buffer from the RAM copy",
+        ColdCopy::Ram => "through a page-locked staging buffer from the RAM copy and, for the layers it leaves there, the file mapping",
         ColdCopy::Mapped => "through a page-locked staging buffer from the file mapping",
     };
     let what = if r.emulated {
@@ -278,7 +282,8 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                 }
             }
         }
-        let pinned = plan.cold == ColdCopy::PinnedRam;
+        // layers left in the mapping copy through the staging buffer; the others straight
+        let pinned = plan.cold == ColdCopy::PinnedRam && plan.mapped.is_empty();
         if !gpu {
             Some(ring::Ring::new_emulated(plan.ring_half, pinned, trace))
         } else {
@@ -321,10 +326,11 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
         // SAFETY: live tensor.
         let quantized = src.down.is_some_and(|t| unsafe { sys::ggml_is_quantized((*t).type_) });
         // The GPU's vector kernels skip ids only for quantized weights.
-        let zc_wanted = zero_copy_wanted && (quantized || !gpu);
+        let in_mapping = plan.mapped.contains(il);
+        let zc_wanted = zero_copy_wanted && !in_mapping && (quantized || !gpu);
         // A layer without cold experts still gets a RAM copy (its zero pad) where decode reads
         // through the mapping: its routing log lives there, so counting needs no CPU op in a step.
-        let copy = cold_buft.filter(|_| !cold_list.is_empty() || zc_wanted);
+        let copy = cold_buft.filter(|_| !in_mapping && (!cold_list.is_empty() || zc_wanted));
         let zc_layer = zc_wanted && copy.is_some();
         // Device side: the hot experts plus a zero pad expert, and the expert -> slot maps.
         let a = Alloc::new(12);
@@ -454,7 +460,9 @@ pub fn place(model: &Model, plan: &Plan, main_gpu: usize) -> Result<Placement, P
                     (srcs, [dsts, others])
                 };
                 max_expert_bytes = max_expert_bytes.max(info.expert_bytes);
-                let idx = r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots.clone(), tally.clone(), n_used));
+                let direct = plan.cold == ColdCopy::PinnedRam && ram_copy;
+                let idx =
+                    r.register(ring::RingLayer::new(n_hot + n_used, srcs, dsts, cold_rows.clone(), hot_slots.clone(), tally.clone(), n_used).direct(direct));
                 Some((r.clone(), idx))
             }
             _ => None,
@@ -537,6 +545,7 @@ mod tests {
         let plan = Plan {
             hot: expert_layers(&model).into_iter().map(|l| (l.layer, vec![0, 1, 2, 3])).collect(),
             cold: ColdCopy::Mapped,
+            mapped: Vec::new(),
             cold_threads: 0,
             count_only: false,
             stand_in: Vec::new(),

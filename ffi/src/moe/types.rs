@@ -62,6 +62,9 @@ pub use strata_residency::plan::ColdCopy;
 pub struct Plan {
     pub hot: Vec<(i32, Vec<u32>)>,
     pub cold: ColdCopy,
+    /// Layers whose cold experts stay where llama.cpp mapped them although `cold` is a RAM copy:
+    /// the memory guard admitted only part of the copy.
+    pub mapped: Vec<i32>,
     /// Workers of the dedicated pool that computes cold experts in decode, overlapping the GPU
     /// (<= 0: no pool; the CPU backend's own threads compute them between the GPU's work).
     pub cold_threads: i32,

@@ -82,7 +82,7 @@ pub const FLAGS: &[Flag] = &[
     Flag {
         name: "--resident-cpu-experts",
         kind: Kind::Switch,
-        help: "copy the experts outside the static GPU cache into RAM (needs mmap); on a GPU the copy is page-locked where the memory guard allows it, so decode reads cold experts over the bus, else pageable (start-up says which and why)",
+        help: "copy the experts outside the static GPU cache into RAM (needs mmap); on a GPU the copy is page-locked, so decode reads cold experts over the bus, else pageable; where the memory guard admits only part of it, the layers the profile selects most are copied and the rest read from the mapping (start-up says what each flag came to)",
         default: "off",
         needs: "--expert-profile (or --adapt-every N)",
         maps_to: None,

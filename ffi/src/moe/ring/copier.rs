@@ -313,19 +313,20 @@ impl Ring {
 
     /// Queues `pieces` for the copier. Should the copier have died (its jobs then fail), another
     /// is started; without one the copies run here.
-    pub(super) fn submit(&self, pieces: Vec<Piece>, h: usize) -> Arc<Done> {
+    /// `direct`: the sources are page-locked (no staging).
+    pub(super) fn submit(&self, pieces: Vec<Piece>, h: usize, direct: bool) -> Arc<Done> {
         if pieces.is_empty() {
             let done = Arc::new(Done::default());
             done.set(true);
             return done;
         }
-        self.submit_as(pieces, h, self.jobs.fetch_add(1, Ordering::Relaxed) + 1)
+        self.submit_as(pieces, h, direct, self.jobs.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
     /// As `submit`, numbered `seq` (0: outside the count of batches' jobs that faults use).
-    pub(super) fn submit_as(&self, pieces: Vec<Piece>, h: usize, seq: u64) -> Arc<Done> {
+    pub(super) fn submit_as(&self, pieces: Vec<Piece>, h: usize, direct: bool, seq: u64) -> Arc<Done> {
         let done = Arc::new(Done::default());
-        let job = Job { pieces, staging: (!self.pinned_src).then_some(h), done: done.clone(), seq };
+        let job = Job { pieces, staging: (!direct).then_some(h), done: done.clone(), seq };
         let Err(mut job) = self.send(job) else { return done };
         let died = self.copier_thread.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(std::thread::JoinHandle::is_finished);
         if died {

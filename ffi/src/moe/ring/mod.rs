@@ -80,6 +80,8 @@ pub(crate) struct RingLayer {
     n_used: usize,
     /// Whether the graph being computed runs this layer through the ring (set when it is built).
     active: std::sync::atomic::AtomicBool,
+    /// Its sources are page-locked: copied straight, not through the staging buffer.
+    direct: bool,
 }
 
 /// The ring of one device, shared by every tiered layer of a model.
@@ -284,7 +286,8 @@ impl Ring {
         let mut layers = self.layers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(old) = layers.get_mut(i) {
             let l =
-                RingLayer::new(old.first_slot, old.src.clone(), [old.dst.clone(), old.dst_other.clone()], cold_rows, hot_slots, old.tally.clone(), old.n_used);
+                RingLayer::new(old.first_slot, old.src.clone(), [old.dst.clone(), old.dst_other.clone()], cold_rows, hot_slots, old.tally.clone(), old.n_used)
+                    .direct(old.direct);
             l.active.store(old.active.load(Ordering::Relaxed), Ordering::Relaxed);
             *old = Arc::new(l);
         }
@@ -322,7 +325,7 @@ impl Ring {
         let placed = st.slots.place(h, i, chunk)?;
         let pieces = self.pieces(rl, &placed.copies, other);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-        if !self.submit(pieces, h).wait().0 {
+        if !self.submit(pieces, h, rl.direct).wait().0 {
             st.slots.invalidate(h);
             return None;
         }
@@ -346,7 +349,7 @@ impl Ring {
         let pieces = self.pieces(rl, copies, other);
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
         self.account(st, bytes, 0, copies.len());
-        st.pending[h] = Some(self.submit(pieces, h));
+        st.pending[h] = Some(self.submit(pieces, h, rl.direct));
     }
 
     fn account(&self, st: &mut State, bytes: u64, hits: usize, copies: usize) {
@@ -496,7 +499,7 @@ impl Ring {
             }
         }
         let bytes: u64 = pieces.iter().map(|p| p.bytes as u64).sum();
-        let ok = self.submit(pieces, 0).wait().0;
+        let ok = self.submit(pieces, 0, self.pinned_src).wait().0;
         if ok {
             self.stats.h2d_bytes.fetch_add(bytes, Ordering::Relaxed);
         }
@@ -516,9 +519,9 @@ impl Ring {
         let pieces = self.pieces(rl, &copies, false);
         let bytes: usize = pieces.iter().map(|p| p.bytes).sum();
         // One warm-up, then the timed copy.
-        self.submit_as(pieces.clone(), 0, 0).wait();
+        self.submit_as(pieces.clone(), 0, rl.direct, 0).wait();
         let t0 = Instant::now();
-        let (ok, _) = self.submit_as(pieces, 0, 0).wait();
+        let (ok, _) = self.submit_as(pieces, 0, rl.direct, 0).wait();
         let s = t0.elapsed().as_secs_f64();
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.slots.invalidate(0);
@@ -539,7 +542,13 @@ impl RingLayer {
         n_used: usize,
     ) -> Self {
         let [dst, dst_other] = dst;
-        Self { first_slot, src, dst, dst_other, waves: Mutex::default(), cold_rows, hot_slots, tally, n_used, active: Default::default() }
+        Self { first_slot, src, dst, dst_other, waves: Mutex::default(), cold_rows, hot_slots, tally, n_used, active: Default::default(), direct: false }
+    }
+
+    /// Its sources are page-locked: the copier reads them straight, not through staging.
+    pub(crate) fn direct(mut self, direct: bool) -> Self {
+        self.direct = direct;
+        self
     }
 
     fn cold_row(&self, e: i32) -> Option<usize> {
