@@ -573,3 +573,163 @@ def test_parallel_writers_give_the_same_file(tmp_path):
     assert len(one) > 1 << 20
     assert one == three
     gguf.GGUFReader(tmp_path / "three.gguf")
+
+
+# --mtp-accept: the MTP head drafts the main model's next token at a fraction P of positions
+
+MTP_PRESETS = ["qwen4exp", "qwen35moe-mtp"]
+MTP_ARGS = ["--vocab", SMALL_VOCAB, "--seed", "4", "--embd", "128", "--expert-ffn", "64"]
+
+
+def mtp_construction(preset: str, p: float, *args: str) -> mkmodel.MtpAccept:
+    _, _, hp = mkmodel.plan(mkmodel.parse_args([preset, *MTP_ARGS, *args, "--mtp-accept", str(p), "--dry-run"]))
+    return hp["mtp"]
+
+
+def test_mtp_accept_cycle():
+    c = mtp_construction("qwen4exp", 0.5)
+    n = c.n_cycle
+    assert n == c.n_vocab - c.n_vocab % 128 and c.shift % 128 == 0
+    s = c.sigma(np.arange(c.n_vocab))
+    assert sorted(s[:n]) == list(range(n)) and np.all(s[n:] == np.arange(n, c.n_vocab))
+    # every cycle visits V' / 128 tokens: sigma^k(t) != t for 0 < k < V' / 128
+    t, seen = np.arange(128), np.zeros(n, dtype=np.int64)
+    for _ in range(n // 128):
+        seen[t] += 1
+        t = c.sigma(t)
+    assert np.all(seen == 1) and np.array_equal(t, np.arange(128))
+    shifts = {mtp_construction("qwen4exp", 0.5, "--seed", str(seed)).shift for seed in range(6)}
+    assert len(shifts) > 1
+
+
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_mtp_accept_tensors(tmp_path, preset):
+    p = 0.7
+    c = mtp_construction(preset, p)
+    r = gguf.GGUFReader(generate(tmp_path / "m.gguf", preset, *MTP_ARGS, "--mtp-accept", str(p)))
+    assert kv(r, mkmodel.MTP_ACCEPT_KEY) == pytest.approx(p)
+    assert r.fields[mkmodel.MTP_ACCEPT_KEY].types == [gguf.GGUFValueType.FLOAT32]
+    ts = tensors(r)
+    e, h, n = 128, c.h, c.n_cycle
+    embd, out = dequant(ts["token_embd.weight"]), dequant(ts["output.weight"])
+    np.testing.assert_allclose(embd[:, 0], mkmodel.BIAS_CHANNEL_VALUE, rtol=0.01)
+    x, y = embd[:, 1:1 + h], embd[:, 1 + h:1 + 2 * h]
+    assert np.all(embd[:, 1 + 2 * h:] == 0) and np.all(embd[n:, 1:] == 0)
+    np.testing.assert_allclose(x[:128], c.block(0)[0], atol=0.05)       # q8_0 rounding
+    in_s = np.concatenate([c.block(b)[1] for b in range(n // 128)])
+    assert abs(in_s.mean() - p) < 0.02
+    assert np.array_equal(np.any(y[:n] != 0, axis=1), in_s)
+    np.testing.assert_allclose(y[:n][in_s], x[:n][in_s], atol=0.05)
+    # lm head row sigma(t) is x_t (scaled): the main model's argmax follows t -> sigma(t)
+    sig = c.sigma(np.arange(n))
+    live = np.setdiff1d(np.arange(n), c.dead)
+    src = np.argsort(sig)[live]                                          # sigma^-1 of each live row
+    gain = mkmodel.MTP_OUTPUT_GAIN / np.sqrt(h)
+    np.testing.assert_allclose(out[live, 1:1 + h], x[src] * gain, atol=0.05 * gain * np.abs(x).max())
+    assert np.all(out[:, 0] == 0) and np.all(out[:, 1 + h:] == 0) and np.all(out[n:] == 0)
+    dead = c.dead
+    assert len(dead) and kv(r, "tokenizer.ggml.eos_token_id") in dead and np.all(out[dead] == 0)
+    # eh_proj: bias channel kept, X <- the Y block of enorm(embedding), nothing from the hidden state
+    eh = dequant(ts[f"blk.{mkmodel.PRESETS[preset]['n_layer']}.nextn.eh_proj.weight"])   # (n_embd, 2 n_embd)
+    want = np.zeros((e, 2 * e), dtype=np.float32)
+    want[0, 0] = 1
+    want[np.arange(1, h + 1), np.arange(h + 1, 2 * h + 1)] = 1
+    np.testing.assert_allclose(eh, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_mtp_accept_changes_only_its_tensors(tmp_path, preset):
+    """every other tensor and key is what the same arguments write without --mtp-accept."""
+    a = generate(tmp_path / "plain.gguf", preset, *MTP_ARGS).read_bytes()
+    b = generate(tmp_path / "mtp.gguf", preset, *MTP_ARGS, "--mtp-accept", "0.5").read_bytes()
+    (kv_a, ts_a, start_a), (kv_b, ts_b, start_b) = mkmodel.parse_gguf_header(a), mkmodel.parse_gguf_header(b)
+    keys_a = [k for k, _, _ in kv_a]
+    assert [k for k, _, _ in kv_b] == keys_a[:6] + [mkmodel.MTP_ACCEPT_KEY] + keys_a[6:]
+    raw_b = {k: b[i:j] for k, i, j in kv_b}
+    for key, i, j in kv_a:
+        assert a[i:j] == raw_b[key], key
+    changed = {"token_embd.weight", "output.weight", f"blk.{mkmodel.PRESETS[preset]['n_layer']}.nextn.eh_proj.weight"}
+    assert [t[:3] for t in ts_a] == [t[:3] for t in ts_b]     # names, shapes, types
+    ends = [t[3] for t in ts_a[1:]] + [len(a) - start_a]
+    for (name, _, _, off_a), (_, _, _, off_b), end in zip(ts_a, ts_b, ends, strict=True):
+        n = end - off_a
+        same = a[start_a + off_a:start_a + off_a + n] == b[start_b + off_b:start_b + off_b + n]
+        assert same != (name in changed), name
+    # no option, no construction: the plan is the one the rest of this file checks
+    model, blobs, hp = mkmodel.plan(mkmodel.parse_args([preset, *MTP_ARGS, "--dry-run"]))
+    assert "mtp" not in hp and all(t.rows is None for t in model.tensors)
+    assert not any(mkmodel.MTP_ACCEPT_KEY.encode() in blob for blob in blobs)
+
+
+def test_mtp_accept_rewrite_in_place(tmp_path, capsys):
+    args = ["qwen4exp", *MTP_ARGS]
+    path = generate(tmp_path / "m.gguf", *args, "--mtp-accept", "0.5")
+    fresh = generate(tmp_path / "fresh.gguf", *args, "--mtp-accept", "0.9").read_bytes()
+    assert path.read_bytes() != fresh
+    assert mkmodel.main([*args, "--out", str(path), "--mtp-accept", "0.9", "--rewrite-mtp-accept"]) == 0
+    assert "0.5 -> 0.9" in capsys.readouterr().out
+    assert path.read_bytes() == fresh
+    assert mkmodel.main([*args, "--out", str(path), "--mtp-accept", "0", "--rewrite-mtp-accept"]) == 0
+    assert path.read_bytes() == generate(tmp_path / "zero.gguf", *args, "--mtp-accept", "0").read_bytes()
+
+    # refused, the file untouched: other arguments, no --mtp-accept in the file, a missing file
+    before = path.read_bytes()
+    for other in (["--seed", "5"], ["--embd", "256"], ["--router-skew", "1"], ["--layers", "3"]):
+        with pytest.raises(SystemExit, match="not a file these arguments wrote"):
+            mkmodel.main([*args, *other, "--out", str(path), "--mtp-accept", "0.9", "--rewrite-mtp-accept"])
+    assert path.read_bytes() == before
+    plain = generate(tmp_path / "plain.gguf", *args)
+    plain_bytes = plain.read_bytes()
+    with pytest.raises(SystemExit, match="written without --mtp-accept"):
+        mkmodel.main([*args, "--out", str(plain), "--mtp-accept", "0.9", "--rewrite-mtp-accept"])
+    assert plain.read_bytes() == plain_bytes
+    with pytest.raises(SystemExit, match="does not exist"):
+        mkmodel.main([*args, "--out", str(tmp_path / "none.gguf"), "--mtp-accept", "0.9", "--rewrite-mtp-accept"])
+    # a file with the right header whose constructed tensors are not the construction's
+    broken = bytearray(before)
+    _, infos, start = mkmodel.parse_gguf_header(bytes(before))
+    off = next(o for name, _, _, o in infos if name == "output.weight")
+    broken[start + off:start + off + 64] = bytes(64)
+    (tmp_path / "broken.gguf").write_bytes(broken)
+    with pytest.raises(SystemExit, match="output.weight differs"):
+        mkmodel.main([*args, "--out", str(tmp_path / "broken.gguf"), "--mtp-accept", "0.9", "--rewrite-mtp-accept"])
+
+
+def test_mtp_accept_refusals(tmp_path):
+    out = str(tmp_path / "x.gguf")
+    for bad in (["qwen3moe", "--mtp-accept", "0.5"],
+                ["qwen4exp", "--mtp-accept", "1.5"],
+                ["qwen4exp", "--mtp-accept", "0.5"],                       # the tiny n_embd 64
+                ["qwen4exp", "--embd", "128", "--mtp-accept", "0.5", "--lora-rank", "4"]):
+        with pytest.raises(SystemExit):
+            mkmodel.main([*bad, "--vocab", SMALL_VOCAB, "--out", out])
+    with pytest.raises(SystemExit):
+        mkmodel.parse_args(["qwen4exp", "--out", out, "--rewrite-mtp-accept"])
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def mtp_acceptance(model: Path, log: Path) -> float:
+    """draft_n_accepted / draft_n with one-token drafts and no confidence cut: the per-position rate."""
+    with open(log, "wb") as err:
+        proc, url = servers.start(SERVER, ["-m", str(model), "-c", "1024", "-t", "2", "--spec-type", "draft-mtp",
+                                           "--spec-draft-n-max", "1", "--spec-draft-p-min", "0"], stderr=err)
+        try:
+            out = post_json(url + "/completion", {"prompt": "Once upon a time", "n_predict": 64, "temperature": 0,
+                                                  "cache_prompt": False}, timeout=300)
+        finally:
+            stop(proc)
+    t = out["timings"]
+    assert out["tokens_predicted"] == 64 and t["draft_n"] > 20
+    return t["draft_n_accepted"] / t["draft_n"]
+
+
+@pytest.mark.parametrize("preset", MTP_PRESETS)
+def test_mtp_accept_through_server(tmp_path, preset):
+    """llama.cpp's draft-mtp accepts the drafts at about the rate asked for."""
+    if not SERVER.exists():
+        pytest.skip("strata-server is not built (run tools/setup)")
+    rates = {}
+    for p in (0.0, 0.9):
+        model = generate(tmp_path / f"m{p}.gguf", preset, *MTP_ARGS, "--mtp-accept", str(p))
+        rates[p] = mtp_acceptance(model, tmp_path / f"server{p}.log")
+    assert rates[0.0] < 0.1 and rates[0.9] > 0.7, rates

@@ -3,6 +3,7 @@
     python3 tools/mkmodel.py ARCH --out FILE [--seed N] [--layers N] [--embd N]
         [--experts N] [--experts-used K] [--expert-ffn N] [--router-skew S]
         [--quant TYPE] [--quant-rest TYPE] [--shape NAME] [--vocab NAME] [--dry-run]
+        [--mtp-accept P [--rewrite-mtp-accept]]
         [--lora-rank R [--lora-alpha A] [--lora-targets T,...] [--lora-type f32|f16] [--lora-gain G]
          [--alora-tokens T,...]]
 
@@ -114,6 +115,92 @@ tokens, averaged over the 4 layers):
     S = 1  .88 .68 .50 .40 .31 .23 .21 .17 .12 .12 .09 .08 .07 .04 .05 .05
     S = 2  .99 .93 .72 .52 .32 .18 .13 .08 .04 .03 .02 .01 .01 .01 .01 .00
 
+MTP acceptance
+--------------
+With --mtp-accept P (0 <= P <= 1; the presets with an MTP head, qwen4exp and
+qwen35moe-mtp) the token embeddings, the lm head and the MTP block's eh_proj
+are built, not random, so that greedy decoding walks a fixed cycle of tokens
+and the MTP head's top draft is the main model's next token at a fraction of
+about P of the positions: a model for benchmarking llama.cpp's
+--spec-type draft-mtp at a chosen acceptance. Every other tensor is byte for
+byte what the same arguments write without the option, and the file gets one
+more key, strata.mtp_accept (FLOAT32, P). With h = (n_embd - 1) // 2, block
+X = residual channels 1..h and block Y = channels h+1..2h (channel 0 is the
+bias channel, a leftover last channel is 0):
+
+  cycle      V' = n_vocab - n_vocab % 128 and sigma(t) = (t + K) mod V' for
+             t < V', where K = 128 k and k, prime to V'/128, is drawn from
+             --seed: 128 cycles of V'/128 tokens (1187 for Qwen's 151936)
+  per token  x_t ~ N(0, 1)^h, then u_t ~ U(0, 1), from
+             np.random.default_rng([seed, 0xACCE, t // 128]) for each block
+             of 128 tokens; S = {t : u_t < P} (nested: S grows with P);
+             x_t = 0 for t >= V'
+  token_embd row t = [c, x_t, x_t if t in S else 0]     (c = BIAS_CHANNEL_VALUE)
+  output     row s = [0, g x_{sigma^-1(s)}, 0], g = MTP_OUTPUT_GAIN / sqrt(h)
+             = 2 / sqrt(h); zero for s >= V' and for the EOS/EOT/EOM and
+             control tokens (tokenizer.ggml.token_type 3), so generation
+             never stops (the token before one continues elsewhere)
+  eh_proj    output channel 0 <- input 0 (the bias channel of
+             enorm(embedding)), X channel j <- input h + j (the Y block of
+             enorm(embedding)), weight 1; all else 0, the hnorm(hidden) half
+             included (qwen4exp applies it to every hyper-connection stream,
+             qwen35moe to its single residual: the same matrix serves both)
+
+Main model: its final hidden state is the normalized embedding plus the
+bounded noise of the random layers, so logit s ~ g x_{sigma^-1(s)} . x_t is
+largest at s = sigma(t), by a margin of ~h over ~sqrt(2 h ln V) for the best
+other token: greedy output follows t -> sigma(t). MTP head: it reads the
+embedding of the token t' just sampled and its residual starts as ~[c', y_t',
+0]; for t' in S the lm head then picks sigma(t'), the main model's next token,
+with a probability near 1 (an accepted draft); for t' not in S only the MTP
+block's own noise reaches the lm head, so the draft is a random token of low
+probability (at P = 0 none of 128 drafts reached 0.5), and a draft minimum
+probability (--spec-draft-p-min 0.5) stops drafting there, as a real model's
+unsure drafts do. A generated stretch of n tokens of the cycle has an S
+fraction of P +- sqrt(P (1 - P) / n). Which server numbers show P:
+
+  --spec-draft-n-max 1 --spec-draft-p-min 0   draft_n_accepted / draft_n ~ P
+  --spec-draft-n-max N --spec-draft-p-min 0.5 drafts stop at the first token
+      outside S, so draft_n_accepted / draft_n ~ 1 and P sets the draft
+      length: tokens per verify step = predicted_n / (predicted_n -
+      draft_n_accepted), at most N + 1
+
+Measured with strata-server on a CPU (qwen4exp and qwen35moe-mtp, --seed 10
+--embd 256 --expert-ffn 256, prompt "The quick brown fox jumps over the lazy
+dog. Once upon a time", 128 greedy tokens; speculation left the text
+unchanged in every run, and the main model followed sigma at every position;
+both presets gave the same numbers):
+
+  P     S fraction of   n-max 1, p-min 0      n-max 4, p-min 0.5
+        the 127 tokens  accepted / drafted    accepted / drafted  tokens/step
+  0     0.00            0 / 126 = 0.00        0 / 0               1.00
+  0.5   0.43            40 / 86 = 0.47        54 / 54             1.73
+  0.9   0.87            58 / 68 = 0.85        94 / 94             3.76
+  1     1.00            63 / 63 = 1.00        101 / 101           4.74
+
+Over 512 tokens (qwen35moe-mtp) one-token drafts were accepted at 167 / 344 =
+0.49 for P = 0.5 and 242 / 269 = 0.90 for P = 0.9.
+
+Width: the margin above shrinks with h while the noise of the random layers
+does not, so --mtp-accept needs n_embd >= MTP_MIN_EMBD = 128. Measured share
+of positions at which the main model follows sigma (qwen4exp and
+qwen35moe-mtp, P = 0.9): n_embd 64 0.73 and 0.78 (refused); 128 1.00 (0.998
+for qwen4exp with --quant-rest q4_k over 512 tokens); 192, 256 1.00; 2048
+(80b-a3b with 4 layers and 64 experts, 64 tokens) 1.00, with 30 of 33
+one-token drafts accepted. The residual-writing matrices therefore keep their
+usual scale.
+
+Only token_embd depends on P (through Y); output and eh_proj depend on the
+seed and the vocabulary. --rewrite-mtp-accept, with the arguments that wrote
+--out and a new --mtp-accept, turns that file into the one these arguments
+would write, in place: it checks that the header is the plan's but for the
+strata.mtp_accept value (every key, tensor name, shape, type and offset, and
+the file size) and that the first rows of output and eh_proj are the
+construction's, and refuses otherwise; then it sets strata.mtp_accept to NaN,
+rewrites token_embd and writes the new P (an interrupted rewrite leaves NaN
+behind and a rerun completes it). For the 80b-a3b shape (token_embd 2048 x
+151936 at q8_0, 315 MiB) it takes about 7 s on 2 CPU cores.
+
 LoRA adapters
 -------------
 With --lora-rank R the output is not a model but a LoRA adapter GGUF (as
@@ -141,10 +228,13 @@ tokenizer is not copied.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import mmap
 import os
 import struct
 import sys
+import time
 import types
 import zlib
 from dataclasses import dataclass, field
@@ -319,6 +409,8 @@ class TensorSpec:
     row0_period: int = 0          # with zero_row0: zero every output row at a multiple of this (default ne[1])
     init: Callable[[np.random.Generator, tuple[int, ...]], np.ndarray] | None = None  # f32 tensors
     qtype: int = GT.F32
+    # rows(r0, r) -> (r, ne[0]) float32: the tensor's rows r0 .. r0+r-1, encoded with encode_floats
+    rows: Callable[[int, int], np.ndarray] | None = None
 
     @property
     def n_rows(self) -> int:
@@ -867,6 +959,144 @@ BUILDERS = {
 
 
 # ---------------------------------------------------------------------------
+# MTP acceptance (--mtp-accept)
+
+MTP_ACCEPT_KEY = "strata.mtp_accept"
+MTP_BLOCK = 128               # tokens per generator block; the cycle shift K is a multiple of it
+MTP_MIN_EMBD = 128            # narrower: the random layers push the main model off the cycle (see the docstring)
+MTP_OUTPUT_GAIN = 2.0         # lm head rows are x * gain / sqrt(h)
+MTP_P_TENSORS = ("token_embd.weight",)  # the tensors whose bytes depend on P
+CONTROL_TOKEN_TYPE = 3
+
+
+def _kv_uint(blob: bytes) -> int:
+    """the value of a raw scalar UINT32 KV blob (pack_kv layout)."""
+    return struct.unpack_from("<I", blob, len(blob) - 4)[0]
+
+
+def _kv_int_array(blob: bytes) -> np.ndarray:
+    """the values of a raw INT32/UINT32 array KV blob (pack_kv layout)."""
+    klen = struct.unpack_from("<Q", blob, 0)[0]
+    sub, n = struct.unpack_from("<IQ", blob, 8 + klen + 4)
+    return np.frombuffer(blob, dtype="<i4" if sub == VT.INT32 else "<u4", count=n, offset=8 + klen + 16)
+
+
+@dataclass
+class MtpAccept:
+    """The --mtp-accept construction for one model (see the module docstring)."""
+    p: float
+    seed: int
+    n_embd: int
+    n_vocab: int
+    dead: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # zero lm head rows
+
+    @property
+    def h(self) -> int:
+        return (self.n_embd - 1) // 2
+
+    @property
+    def n_cycle(self) -> int:
+        """V': the tokens on the cycles."""
+        return self.n_vocab - self.n_vocab % MTP_BLOCK
+
+    @functools.cached_property
+    def shift(self) -> int:
+        """K: sigma(t) = (t + K) mod V'; K / 128 is prime to V' / 128 and drawn from the seed."""
+        nb = self.n_cycle // MTP_BLOCK
+        steps = [k for k in range(1, nb) if math.gcd(k, nb) == 1]
+        return MTP_BLOCK * steps[int(np.random.default_rng([self.seed, 0x5417]).integers(len(steps)))]
+
+    def sigma(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, dtype=np.int64)
+        return np.where(t < self.n_cycle, (t + self.shift) % max(self.n_cycle, 1), t)
+
+    def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """x (128, h) and membership in S (128,) of the tokens of block b."""
+        rng = np.random.default_rng([self.seed, 0xACCE, b])
+        x = rng.standard_normal((MTP_BLOCK, self.h), dtype=np.float32)
+        return x, rng.random(MTP_BLOCK) < self.p
+
+    def _rows_of_blocks(self, t0: int, n: int, fill) -> np.ndarray:
+        """rows t0 .. t0+n-1 of an (n_vocab, n_embd) matrix: fill(out rows, block, in-block slice)
+        for every block they touch."""
+        out = np.zeros((n, self.n_embd), dtype=np.float32)
+        for b in range(t0 // MTP_BLOCK, (t0 + n - 1) // MTP_BLOCK + 1):
+            lo, hi = max(t0, b * MTP_BLOCK), min(t0 + n, (b + 1) * MTP_BLOCK)
+            fill(out[lo - t0:hi - t0], b, slice(lo - b * MTP_BLOCK, hi - b * MTP_BLOCK))
+        return out
+
+    def in_s(self, t: np.ndarray) -> np.ndarray:
+        """whether each token is in S (its MTP draft is the main model's next token)."""
+        t = np.asarray(t, dtype=np.int64)
+        return np.array([bool(self.block(int(v) // MTP_BLOCK)[1][int(v) % MTP_BLOCK]) and v < self.n_cycle
+                         for v in t.ravel()]).reshape(t.shape)
+
+    def _fill_embd(self, out: np.ndarray, b: int, sl: slice) -> None:
+        out[:, 0] = BIAS_CHANNEL_VALUE
+        if b * MTP_BLOCK >= self.n_cycle:
+            return
+        x, s = self.block(b)
+        h = self.h
+        out[:, 1:1 + h] = x[sl]
+        out[:, 1 + h:1 + 2 * h] = x[sl] * s[sl, None]
+
+    def _fill_out(self, out: np.ndarray, b: int, sl: slice) -> None:
+        if b * MTP_BLOCK >= self.n_cycle:
+            return
+        nb = self.n_cycle // MTP_BLOCK
+        x, _ = self.block((b - self.shift // MTP_BLOCK) % nb)  # row s holds x of sigma^-1(s)
+        out[:, 1:1 + self.h] = x[sl] * np.float32(MTP_OUTPUT_GAIN / math.sqrt(self.h))
+
+    def embd_rows(self, r0: int, r: int) -> np.ndarray:
+        return self._rows_of_blocks(r0, r, self._fill_embd)
+
+    def output_rows(self, r0: int, r: int) -> np.ndarray:
+        out = self._rows_of_blocks(r0, r, self._fill_out)
+        dead = self.dead[(self.dead >= r0) & (self.dead < r0 + r)]
+        out[dead - r0] = 0
+        return out
+
+    def eh_proj_rows(self, r0: int, r: int) -> np.ndarray:
+        """output channel j (a row of 2 n_embd inputs: enorm(embedding), then hnorm(hidden)):
+        channel 0 <- input 0 (the bias channel) and X channel j <- input h + j (Y); the hidden half is unread."""
+        out = np.zeros((r, 2 * self.n_embd), dtype=np.float32)
+        for j in range(r0, min(r0 + r, self.h + 1)):
+            out[j - r0, j + self.h if j else 0] = 1.0
+        return out
+
+
+def dead_tokens(tok_kv: dict[str, bytes]) -> np.ndarray:
+    """end-of-generation and control tokens: the lm head never picks them, so the chain never stops."""
+    ids = [_kv_uint(tok_kv[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                          "tokenizer.ggml.eom_token_id") if k in tok_kv]
+    if "tokenizer.ggml.token_type" in tok_kv:
+        ids += np.nonzero(_kv_int_array(tok_kv["tokenizer.ggml.token_type"]) == CONTROL_TOKEN_TYPE)[0].tolist()
+    return np.unique(np.array(ids, dtype=np.int64))
+
+
+def apply_mtp_accept(m: Model, hp: dict, tok_kv: dict[str, bytes], n_vocab: int, p: float) -> MtpAccept:
+    """Replace token_embd, output and the MTP eh_proj by the construction's rows."""
+    if not hp.get("n_nextn"):
+        raise SystemExit(f"--mtp-accept needs a preset with an MTP head (qwen4exp, qwen35moe-mtp), not {hp['arch']}")
+    if not 0.0 <= p <= 1.0:
+        raise SystemExit("--mtp-accept needs 0 <= P <= 1")
+    if hp["n_embd"] < MTP_MIN_EMBD:
+        raise SystemExit(f"--mtp-accept needs --embd {MTP_MIN_EMBD} or more (got {hp['n_embd']}): "
+                         "narrower models do not follow the token cycle reliably")
+    if n_vocab < 2 * MTP_BLOCK:
+        raise SystemExit(f"--mtp-accept needs a vocabulary of at least {2 * MTP_BLOCK} tokens")
+    c = MtpAccept(p=p, seed=hp["seed"], n_embd=hp["n_embd"], n_vocab=n_vocab, dead=dead_tokens(tok_kv))
+    eh = [f"blk.{il}.nextn.eh_proj.weight" for il in range(hp["n_layer"], hp["n_layer"] + hp["n_nextn"])]
+    hooks = {"token_embd.weight": c.embd_rows, "output.weight": c.output_rows, **{n: c.eh_proj_rows for n in eh}}
+    for t in m.tensors:
+        if t.name in hooks:
+            t.rows = hooks.pop(t.name)
+    if hooks:
+        raise SystemExit(f"--mtp-accept: {hp['arch']} has no {', '.join(hooks)}")
+    return c
+
+
+# ---------------------------------------------------------------------------
 # quantized block writers
 
 def _f16_bytes(a: np.ndarray) -> np.ndarray:
@@ -1001,7 +1231,9 @@ def tensor_chunks(t: TensorSpec, seed: int) -> Iterator[np.ndarray]:
     step = max(1, CHUNK_ELEMS // row_len)
     for r0 in range(0, n_rows, step):
         r = min(step, n_rows - r0)
-        if t.role in ("embd", "router"):
+        if t.rows is not None:
+            data = encode_floats(t.qtype, t.rows(r0, r))
+        elif t.role in ("embd", "router"):
             x = rng.standard_normal((r, row_len), dtype=np.float32) * np.float32(t.std)
             if t.col0 is not None:
                 x[:, 0] = t.col0 if np.isscalar(t.col0) else t.col0[r0:r0 + r]
@@ -1035,7 +1267,7 @@ def assign_types(m: Model, quant: int, quant_rest: int) -> None:
             t.qtype = quant
         else:
             want = quant_rest
-            if t.role == "embd" and want == GT.IQ3_XXS:
+            if (t.role == "embd" or t.rows is not None) and want == GT.IQ3_XXS:
                 want = GT.Q4_K
             for q in (want, GT.Q8_0, GT.F16):
                 if _fits(q, t.ne[0]):
@@ -1127,31 +1359,84 @@ def _write_tensor(job: tuple[int, int, int, str]) -> None:
         raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
 
 
-def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], seed: int, jobs: int = 1) -> None:
-    """Each tensor's bytes depend only on the seed and its name, so with jobs > 1 worker processes
-    write tensors at their offsets in parallel and the file is the same byte for byte."""
-    global _JOB_TENSORS
-    tmp = path.with_name(path.name + ".tmp")
-    infos = []
+def gguf_layout(kv_blobs: list[bytes], tensors: list[TensorSpec]) -> tuple[bytes, list[int], int]:
+    """The file's header (KVs and tensor infos, padded to the data section), each tensor's offset
+    in the data section, and the data section's size."""
+    parts = [struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(tensors), len(kv_blobs)), *kv_blobs]
     offsets = []
     offset = 0
     for t in tensors:
         info = _pack_str(t.name) + struct.pack("<I", len(t.ne))
         info += b"".join(struct.pack("<Q", n) for n in t.ne)
         info += struct.pack("<IQ", t.qtype, offset)
-        infos.append(info)
+        parts.append(info)
         offsets.append(offset)
         offset += -(-t.nbytes // ALIGNMENT) * ALIGNMENT
+    header = b"".join(parts)
+    return header + b"\0" * (-len(header) % ALIGNMENT), offsets, offset
+
+
+def parse_gguf_header(buf) -> tuple[list[tuple[str, int, int]], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(key, start, end) of every KV pair, (name, ne, type, offset) of every tensor, and the data
+    section's start, of the GGUF file in buf (bytes or mmap); raises ValueError on a malformed header."""
+    try:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+        if magic != gguf.GGUF_MAGIC or version < 2:
+            raise ValueError("not a GGUF v2+ file")
+        off = 24
+        unpack_q = struct.Struct("<Q").unpack_from
+
+        def skip(vtype: int, pos: int, n: int = 1) -> int:
+            if n > len(buf) - pos:
+                raise ValueError("an array longer than the file")
+            if vtype == VT.STRING:
+                for _ in range(n):
+                    pos += 8 + unpack_q(buf, pos)[0]
+                return pos
+            return pos + n * struct.calcsize(_SCALAR_FMT[vtype])
+
+        kvs = []
+        for _ in range(n_kv):
+            start = off
+            klen = unpack_q(buf, off)[0]
+            key = bytes(buf[off + 8: off + 8 + klen]).decode()
+            off += 8 + klen
+            vtype = struct.unpack_from("<I", buf, off)[0]
+            off += 4
+            if vtype == VT.ARRAY:
+                sub, n = struct.unpack_from("<IQ", buf, off)
+                off = skip(sub, off + 12, n)
+            else:
+                off = skip(vtype, off)
+            kvs.append((key, start, off))
+        infos = []
+        for _ in range(n_tensors):
+            nlen = unpack_q(buf, off)[0]
+            name = bytes(buf[off + 8: off + 8 + nlen]).decode()
+            off += 8 + nlen
+            n_dims = struct.unpack_from("<I", buf, off)[0]
+            ne = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+            qtype, offset = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(ne), qtype, offset))
+    except (struct.error, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed GGUF header ({e})") from None
+    if off > len(buf):
+        raise ValueError("truncated GGUF header")
+    return kvs, infos, off + (-off % ALIGNMENT)
+
+
+def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], seed: int, jobs: int = 1) -> None:
+    """Each tensor's bytes depend only on the seed and its name, so with jobs > 1 worker processes
+    write tensors at their offsets in parallel and the file is the same byte for byte."""
+    global _JOB_TENSORS
+    tmp = path.with_name(path.name + ".tmp")
+    header, offsets, size = gguf_layout(kv_blobs, tensors)
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<IIQQ", gguf.GGUF_MAGIC, 3, len(tensors), len(kv_blobs)))
-        for blob in kv_blobs:
-            f.write(blob)
-        for info in infos:
-            f.write(info)
-        f.write(b"\0" * (-f.tell() % ALIGNMENT))
+        f.write(header)
         data_start = f.tell()
         # alignment padding stays zero: the file is sized before any tensor is written
-        f.truncate(data_start + offset)
+        f.truncate(data_start + size)
     # largest first, so no worker is left with a big tensor at the end; alone, in file order
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i].nbytes) if jobs > 1 else range(len(tensors))
     work = [(i, data_start + offsets[i], seed, str(tmp)) for i in order]
@@ -1169,6 +1454,73 @@ def write_gguf(path: Path, kv_blobs: list[bytes], tensors: list[TensorSpec], see
     finally:
         _JOB_TENSORS = []
     os.replace(tmp, path)
+
+
+def rewrite_mtp_accept(path: Path, m: Model, kv_blobs: list[bytes], seed: int) -> tuple[float, float]:
+    """Turn the file at path, written by the same arguments with another --mtp-accept, into the one
+    these arguments write: checks that its header is the plan's but for the strata.mtp_accept value,
+    then rewrites that value and the tensors in MTP_P_TENSORS in place. Returns (old P, new P)."""
+    header, offsets, size = gguf_layout(kv_blobs, m.tensors)
+    want_kvs, want_tensors, data_start = parse_gguf_header(header)
+
+    def refuse(why: str):
+        raise SystemExit(f"--rewrite-mtp-accept: {path} is not a file these arguments wrote with another "
+                         f"--mtp-accept ({why}); write it afresh without --rewrite-mtp-accept")
+
+    if not path.is_file():
+        raise SystemExit(f"--rewrite-mtp-accept: {path} does not exist; write it first without --rewrite-mtp-accept")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        try:
+            got_kvs, got_tensors, got_start = parse_gguf_header(mm)
+        except ValueError as e:
+            refuse(str(e))
+        got_keys, want_keys = [k for k, _, _ in got_kvs], [k for k, _, _ in want_kvs]
+        if MTP_ACCEPT_KEY not in got_keys:
+            refuse(f"no {MTP_ACCEPT_KEY} key: written without --mtp-accept")
+        if got_keys != want_keys:
+            diff = sorted(set(got_keys) ^ set(want_keys)) or ["their order"]
+            refuse(f"the keys differ: {', '.join(diff[:5])}")
+        value_at = None
+        for (key, a, b), (_, wa, wb) in zip(got_kvs, want_kvs, strict=True):
+            if key == MTP_ACCEPT_KEY:
+                if (a, b) != (wa, wb) or mm[a:b - 4] != header[wa:wb - 4]:
+                    refuse(f"{key} is not a FLOAT32")
+                value_at = b - 4
+            elif mm[a:b] != header[wa:wb]:
+                refuse(f"key {key} differs")
+        if len(got_tensors) != len(want_tensors):
+            refuse(f"{len(got_tensors)} tensors, planned {len(want_tensors)}")
+        for got, want in zip(got_tensors, want_tensors, strict=True):
+            if got != want:
+                refuse(f"tensor {got[0]} (ne, type, offset) {got[1:]}, planned {want[0]} {want[1:]}")
+        if got_start != data_start or len(mm) != data_start + size:
+            refuse(f"{len(mm)} bytes, planned {data_start + size}")
+        # the first rows of every constructed tensor that P does not change: catches files of other code
+        for t, off in zip(m.tensors, offsets, strict=True):
+            if t.rows is not None and t.name not in MTP_P_TENSORS:
+                chunk = np.ascontiguousarray(next(tensor_chunks(t, seed))).tobytes()
+                if mm[data_start + off:data_start + off + len(chunk)] != chunk:
+                    refuse(f"{t.name} differs from the construction's")
+        old = struct.unpack("<f", mm[value_at:value_at + 4])[0]
+    new = struct.unpack("<f", header[value_at:value_at + 4])[0]
+    with open(path, "r+b") as f:
+        # NaN while the tensors are half written: a later rewrite still accepts the file and completes it
+        f.seek(value_at)
+        f.write(struct.pack("<f", math.nan))
+        f.flush()
+        os.fsync(f.fileno())
+        for t, off in zip(m.tensors, offsets, strict=True):
+            if t.name in MTP_P_TENSORS:
+                f.seek(data_start + off)
+                for chunk in tensor_chunks(t, seed):
+                    f.write(np.ascontiguousarray(chunk).data)
+        f.flush()
+        os.fsync(f.fileno())
+        f.seek(value_at)
+        f.write(header[value_at:value_at + 4])
+        f.flush()
+        os.fsync(f.fileno())
+    return old, new
 
 
 # ---------------------------------------------------------------------------
@@ -1224,6 +1576,10 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
 
     m = Model(arch=hp["arch"], n_layer=hp["n_layer"] + hp.get("n_nextn", 0), bias_channel=hp["bias_channel"])
     BUILDERS[hp["arch"]](m, hp, n_vocab)
+    if args.mtp_accept is not None:
+        if args.lora_rank is not None:
+            raise SystemExit("--mtp-accept writes a model, not a LoRA adapter")
+        hp["mtp"] = apply_mtp_accept(m, hp, tok_kv, n_vocab, args.mtp_accept)
     assign_types(m, QUANT_NAMES[args.quant], QUANT_NAMES[args.quant_rest])
     if args.lora_rank is not None:
         return plan_lora(m, args, hp)
@@ -1240,6 +1596,8 @@ def plan(args: argparse.Namespace) -> tuple[Model, list[bytes], dict]:
         pack_kv("general.file_type", VT.UINT32, int(FILE_TYPES[main_type])),
         pack_kv("general.quantization_version", VT.UINT32, gguf.GGML_QUANT_VERSION),
     ]
+    if args.mtp_accept is not None:
+        head.append(pack_kv(MTP_ACCEPT_KEY, VT.FLOAT32, args.mtp_accept))  # fixed size: rewritable in place
     blobs = head + [pack_kv(k, t, v) for k, t, v in m.kv] + list(tok_kv.values())
     return m, blobs, hp
 
@@ -1331,6 +1689,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alora-tokens", default="",
                     help="comma-separated token ids: an activated LoRA (aLoRA) invoked by them "
                          "(adapter.alora.invocation_tokens)")
+    ap.add_argument("--mtp-accept", type=float, metavar="P",
+                    help="qwen4exp / qwen35moe-mtp: make the MTP head's greedy draft the main model's next token "
+                         "at a fraction P of positions (see 'MTP acceptance' in the module docstring)")
+    ap.add_argument("--rewrite-mtp-accept", action="store_true",
+                    help="with --mtp-accept: rewrite the existing --out, written by the same arguments with another "
+                         "--mtp-accept, in place (only the P-dependent tensors and the strata.mtp_accept key)")
     ap.add_argument("--jobs", type=int,
                     help="processes writing tensors (default: up to 8 for models of 256 MiB or more, else 1); "
                          "the file is the same for any number")
@@ -1338,6 +1702,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.out is None and not args.dry_run:
         ap.error("--out is required unless --dry-run")
+    if args.rewrite_mtp_accept and args.mtp_accept is None:
+        ap.error("--rewrite-mtp-accept needs --mtp-accept")
     return args
 
 
@@ -1349,6 +1715,12 @@ def main(argv: list[str] | None = None) -> int:
         for t in m.tensors:
             print(f"{t.name:40s} {t.qtype.name:8s} {str(t.ne):24s} {t.nbytes}")
         print(f"total ~{total / 2**20:.1f} MiB in {len(m.tensors)} tensors")
+        return 0
+    if args.rewrite_mtp_accept:
+        t0 = time.monotonic()
+        old, new = rewrite_mtp_accept(args.out, m, blobs, args.seed)
+        print(f"rewrote {args.out} in place: {MTP_ACCEPT_KEY} {old:g} -> {new:g}, "
+              f"{', '.join(MTP_P_TENSORS)} ({time.monotonic() - t0:.1f} s)")
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     jobs = args.jobs or (min(8, os.cpu_count() or 1) if total >= PARALLEL_MIN_BYTES else 1)

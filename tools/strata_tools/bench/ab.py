@@ -2,7 +2,8 @@
 one idle machine, each measured by tools/bench/prefill; prints the compare table last.
 
     tools/bench/ab --control BIN --candidate BIN --model GGUF --out DIR
-                    [--vram-gib G] [--ctx N] [--quick] [--ceiling] [-- EXTRA SERVER ARGS]
+                    [--vram-gib G] [--ctx N] [--quick] [--ceiling] [--control-args ARGS]
+                    [--candidate-args ARGS] [-- EXTRA SERVER ARGS]
     tools/bench/ab --plan GGUF --vram-gib G [--ctx N]
 
 Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, benchmarked, and
@@ -38,9 +39,29 @@ GIB = 1024 ** 3
 HEADROOM_GIB = 1.5
 
 
-def sizes(model: Path, n_ctx: int) -> tuple[dict, int, list[int]]:
+# llama.cpp keeps the input layer's tensors (token and per-layer token embeddings) in host memory
+INPUT_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
+# bytes per KV cache element by llama.cpp cache type
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
+
+
+def kv_type_bytes(args: list[str]) -> tuple[float, float]:
+    """Bytes per K and V element for the cache types in server arguments (f16 by default)."""
+    k = v = "f16"
+    for i, a in enumerate(args[:-1]):
+        if a in ("-ctk", "--cache-type-k"):
+            k = args[i + 1]
+        elif a in ("-ctv", "--cache-type-v"):
+            v = args[i + 1]
+        elif a == "--kv" and args[i + 1] == "int8":
+            k = v = "q8_0"
+    return KV_TYPE_BYTES.get(k, 2.0), KV_TYPE_BYTES.get(v, 2.0)
+
+
+def sizes(model: Path, n_ctx: int, kv_bytes: tuple[float, float] = (2.0, 2.0)) -> tuple[dict, int, list[int]]:
     """The model's header KVs, the bytes a full GPU placement needs besides the experts (other
-    weights, f16 KV cache at n_ctx, headroom), and the expert bytes of each layer."""
+    weights but the input layer's, the KV cache of the attention layers at n_ctx, headroom), and
+    the expert bytes of each layer."""
     kv, tensors = read_gguf(model)
     arch = kv["general.architecture"]
     n_layer = kv[f"{arch}.block_count"]
@@ -50,21 +71,25 @@ def sizes(model: Path, n_ctx: int) -> tuple[dict, int, list[int]]:
         parts = name.split(".")
         if parts[0] == "blk" and "_exps" in name:
             experts[int(parts[1])] += size
-        else:
+        elif name not in INPUT_TENSORS:
             other += size
     n_head = kv[f"{arch}.attention.head_count"]
     n_head_kv = kv.get(f"{arch}.attention.head_count_kv", n_head)
     head_k = kv.get(f"{arch}.attention.key_length", kv[f"{arch}.embedding_length"] // n_head)
     head_v = kv.get(f"{arch}.attention.value_length", head_k)
-    kv_cache = n_ctx * n_layer * n_head_kv * (head_k + head_v) * 2
+    # hybrid models (Qwen3.5-style): only every full_attention_interval-th trunk layer has a KV cache
+    n_trunk = n_layer - kv.get(f"{arch}.nextn_predict_layers", 0)
+    interval = kv.get(f"{arch}.full_attention_interval")
+    n_attn = sum((il + 1) % interval == 0 for il in range(n_trunk)) if interval else n_layer
+    kv_cache = int(n_ctx * n_attn * n_head_kv * (head_k * kv_bytes[0] + head_v * kv_bytes[1]))
     kv["strata.other_bytes"], kv["strata.kv_cache_bytes"] = other, kv_cache
     return kv, other + kv_cache + int(HEADROOM_GIB * GIB), experts
 
 
-def plan_n_cpu_moe(model: Path, vram_gib: float, n_ctx: int) -> tuple[int, list[str]]:
+def plan_n_cpu_moe(model: Path, vram_gib: float, n_ctx: int, kv_bytes: tuple[float, float] = (2.0, 2.0)) -> tuple[int, list[str]]:
     """The smallest --n-cpu-moe that fits weights, KV cache and headroom in vram_gib, and the
     lines of arithmetic behind it."""
-    kv, fixed, experts = sizes(model, n_ctx)
+    kv, fixed, experts = sizes(model, n_ctx, kv_bytes)
     n_layer = len(experts)
     budget = vram_gib * GIB
     n = 0
@@ -73,7 +98,8 @@ def plan_n_cpu_moe(model: Path, vram_gib: float, n_ctx: int) -> tuple[int, list[
     lines = [
         f"model {model.name}: {n_layer} layers, experts {sum(experts) / GIB:.3f} GiB, "
         f"other weights {kv['strata.other_bytes'] / GIB:.3f} GiB",
-        f"KV cache f16 at n_ctx {n_ctx}: {kv['strata.kv_cache_bytes'] / GIB:.3f} GiB; headroom {HEADROOM_GIB:.2f} GiB",
+        f"KV cache ({kv_bytes[0]:g} + {kv_bytes[1]:g} bytes an element) at n_ctx {n_ctx}: {kv['strata.kv_cache_bytes'] / GIB:.3f} GiB; "
+        f"headroom {HEADROOM_GIB:.2f} GiB",
         f"card {vram_gib:g} GiB: experts of layers {n}..{n_layer - 1} on the GPU = {sum(experts[n:]) / GIB:.3f} GiB, "
         f"total {(fixed + sum(experts[n:])) / GIB:.3f} GiB -> --n-cpu-moe {n}",
     ]
@@ -143,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan", metavar="GGUF", help="print the --n-cpu-moe arithmetic for this model and exit")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--ceiling", action="store_true", help="also run the control all on the GPU first (the ceiling)")
+    ap.add_argument("--control-args", default="", help="flags for the control and the ceiling only, one string "
+                    "(e.g. the drafting the candidate's own flags imply)")
     ap.add_argument("--candidate-args", default="", help="flags for the candidate only (its expert tiers), one string; "
                     "with --vram-gib they replace --n-cpu-moe")
     args, extra = ap.parse_known_args(argv)
@@ -157,7 +185,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
     if args.plan:
         if args.vram_gib is None:
             ap.error("--plan needs --vram-gib")
-        for line in plan_n_cpu_moe(Path(args.plan), args.vram_gib, args.ctx)[1]:
+        for line in plan_n_cpu_moe(Path(args.plan), args.vram_gib, args.ctx, kv_type_bytes(extra))[1]:
             print(line)
         return 0
     missing = [f for f in ("control", "candidate", "model", "out") if getattr(args, f) is None]
@@ -168,7 +196,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
     control_extra: list[str] = []
     candidate_extra: list[str] = []
     if args.vram_gib is not None:
-        n, lines = plan_n_cpu_moe(Path(args.model), args.vram_gib, args.ctx)
+        n, lines = plan_n_cpu_moe(Path(args.model), args.vram_gib, args.ctx, kv_type_bytes(extra))
         print("\n".join(lines), flush=True)
         (Path(args.out) / "placement.txt").write_text("\n".join(lines) + "\n")
         control_extra = ["-ngl", "99", "--n-cpu-moe", str(n)]
@@ -177,7 +205,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
         if total is not None:
             candidate_extra += ["--vram-reserve-mib", str(max(0, total - int(args.vram_gib * 1024)))]
     candidate_extra += shlex.split(args.candidate_args)
-    ceiling = [run_arm("ceiling", [args.control] + common + ["-ngl", "99"], args, args.port)] if args.ceiling else []
+    control_extra += shlex.split(args.control_args)
+    ceiling_extra = ["-ngl", "99"] + shlex.split(args.control_args)
+    ceiling = [run_arm("ceiling", [args.control] + common + ceiling_extra, args, args.port)] if args.ceiling else []
     runs = [run_arm("control", [args.control] + common + control_extra, args, args.port),
             run_arm("candidate", [args.candidate] + common + candidate_extra, args, args.port)] + ceiling
     chart = Path(args.out) / "prefill.png"

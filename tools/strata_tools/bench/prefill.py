@@ -153,6 +153,9 @@ def run_request(args, log: EngineLog, kind: str, n_functions: int, messages: lis
         "predicted_n": t.get("predicted_n"),
         "predicted_ms": t.get("predicted_ms"),
         "decode_tps": t.get("predicted_per_second"),
+        # speculative decoding: tokens drafted and accepted (absent without drafting)
+        "draft_n": t.get("draft_n"),
+        "draft_n_accepted": t.get("draft_n_accepted"),
         "wall_s": round(wall, 4),
         "stop_reason": choice.get("finish_reason"),
         "engine_log": rec,
