@@ -690,7 +690,7 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
     let seed = [
         "-m", m, "-ngl", "99",
         "--mmap-experts", "--resident-cpu-experts", "--expert-profile", profile.to_str().unwrap(), "--expert-cache", "auto",
-        "--prefill", "8192", "--spec", "4", "--spec-min-p", "0.5", "--spec-type", "draft-mtp",
+        "--prefill", "8192", "--spec", "4", "--spec-min-p", "0.5",
         "--max-context", "262144", "--kv", "int8", "--kv-resident", "32768", "--pool-workers", "15",
         "--adapt-every", "0", "--pcie-frac", "0", "--vram-reserve-mib", "1024", "--ple-mode", "ssd", "--metrics",
     ];
@@ -720,7 +720,7 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
         "--prefill 8192: --batch-size 8192 --ubatch-size 8192",
         "--kv int8: --cache-type-k q8_0 --cache-type-v q8_0",
         "--max-context 262144: --ctx-size 262144",
-        "--spec 4: up to 4 draft tokens a step, drafted by --spec-type draft-mtp",
+        "--spec 4: up to 4 draft tokens a step, drafted by the model's MTP head (1 layer(s); --spec-type draft-mtp)",
         "--kv-resident is accepted but has no effect in this build yet",
         // each expert flag's effect, one line each
         "--mmap-experts: the experts stay in the file mapping; 0 cold experts (0.0 MiB) are read from it",
