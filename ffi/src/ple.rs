@@ -68,6 +68,8 @@ struct Counters {
     successor_used: AtomicU64,
     /// Batches whose rows could be read neither by the pool nor by a buffered retry.
     failures: AtomicU64,
+    /// Time batches spent getting their rows (cache, waits for the prefetcher, reads), µs.
+    supply_us: AtomicU64,
 }
 
 struct Provider {
@@ -232,7 +234,9 @@ pub(crate) fn fill(args: &mut PleRows<'_>) -> bool {
         return false;
     }
     // A panic must not send llama.cpp to the mapping either: the batch fails instead.
+    let t0 = Instant::now();
     let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill_from_file(&p, args)));
+    p.counters.supply_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
     if read.is_err() {
         fail(&p, args.dst(), "could not read the model's per-layer embedding rows: the reader failed".into());
     }
@@ -530,6 +534,8 @@ pub struct PleStats {
     pub reads: u64,
     pub bytes_read: u64,
     pub queued: u64,
+    /// Time batches spent getting their rows, on the batch's path (µs).
+    pub supply_us: u64,
     /// Reads by latency, with the upper bounds of the buckets but the last (µs).
     pub latency: [u64; 4],
     pub latency_bounds_us: [u64; 3],
@@ -553,6 +559,7 @@ pub fn stats() -> Option<PleStats> {
         s.successor_used += p.counters.successor_used.load(Ordering::Relaxed);
         s.fallbacks += p.counters.fallbacks.load(Ordering::Relaxed);
         s.failures += p.counters.failures.load(Ordering::Relaxed);
+        s.supply_us += p.counters.supply_us.load(Ordering::Relaxed);
         s.cache_bytes += p.cache.lock().map(|c| c.used()).unwrap_or(0);
         s.reads += io.reads.load(Ordering::Relaxed);
         s.bytes_read += io.bytes.load(Ordering::Relaxed);

@@ -34,6 +34,11 @@ pub fn metrics_text(s: Option<PleStats>) -> String {
             ("ple_read_failures_total", "counter", "Batches that failed because their PLE rows could not be read", s.failures),
         ],
     );
+    let supply_help = "Time prompt and decode batches spent getting their PLE rows (cache lookups, waits and reads on the batch's path)";
+    out += &format!(
+        "# HELP strata:ple_supply_seconds_total {supply_help}\n# TYPE strata:ple_supply_seconds_total counter\nstrata:ple_supply_seconds_total {}\n",
+        s.supply_us as f64 / 1e6
+    );
     out += "# HELP strata:ple_read_seconds PLE row read latency\n# TYPE strata:ple_read_seconds histogram\n";
     let mut cumulative = 0;
     for (i, n) in s.latency.iter().enumerate() {

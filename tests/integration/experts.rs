@@ -738,6 +738,9 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
         assert!(log.contains(line), "no '{line}' in\n{log}");
     }
     assert!(metric(&s, "expert_selections_total", "ram") > 0, "cold experts served from the RAM copy");
+    let text = ureq::get(&format!("{}/metrics", s.base)).call().unwrap().into_string().unwrap();
+    let supply: f64 = text.lines().find_map(|l| l.strip_prefix("strata:ple_supply_seconds_total ")).expect("PLE supply time").parse().unwrap();
+    assert!(supply > 0.0, "batches waited for PLE rows read from the file: {supply} s");
 }
 
 /// STRATA_STEP_TRACE through a server with zero-copy decode and adaptation: a line per 256 steps

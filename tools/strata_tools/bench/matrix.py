@@ -1,5 +1,7 @@
 """The matrix of tools/device/run-ring rows: one object per row directory
-(row-GIB-SKEW-UB[-DECODE][+ARM], DECODE cpu where the CPU computed decode's cold experts from a
+(row-GIB-SKEW-UB[-DECODE][+ARM], or tools/device/run-seed's row-GIB-SPEC-UB[-PLE]-aACCEPT[-cgroupGIB]
+with the keys model, spec, accept_rate, ple_mode, ctx, the tokens per verify step of each arm and the
+time batches waited for PLE rows and its share of the candidate's prompt and decode time; DECODE cpu where the CPU computed decode's cold experts from a
 pageable RAM copy, absent for zero-copy decode from a page-locked one; ARM the residency arm:
 profile (the default), adapt (the profile and --adapt-every), noprofile (only --adapt-every),
 onepass, waves, paced or minp (tools/device/run-ring says what each sets); made by
@@ -42,6 +44,9 @@ from strata_tools.bench import decodediag_arms, step_trace_medians
 
 GIB = 1024 ** 3
 ROW = re.compile(r"row-([\d.]+)-([\d.]+)-(\d+)(?:-([a-z]+))?(?:\+([a-z]+))?")
+# tools/device/run-seed: row-GIB-SPEC-UB[-PLE]-aACCEPT[-cgroupGIB] on the qwen4exp 80B
+SEED = re.compile(r"row-([\d.]+)-(\d+)-(\d+)(?:-(ssd|ram))?-a([\d.]+)(?:-cgroup(\d+))?")
+SEED_CTX = 262144
 GEMM = re.compile(r"gemm-(.+)-(on|off)")
 
 
@@ -75,13 +80,39 @@ def metrics(path: Path) -> dict[str, float]:
     return out
 
 
+def ceiling_key(name: str) -> tuple[str, str] | None:
+    """Rows of one call share the ceiling of the same (skew, batch), or for run-seed (drafting, batch)."""
+    if m := ROW.fullmatch(name):
+        return m.group(2), m.group(3)
+    if m := SEED.fullmatch(name):
+        return "spec" + m.group(2), m.group(3)
+    return None
+
+
+def tokens_per_step(requests: list[dict]) -> float | None:
+    """Tokens each verify step of speculative decoding emitted (None without drafting)."""
+    gen = sum(r["predicted_n"] or 0 for r in requests)
+    acc = sum(r.get("draft_n_accepted") or 0 for r in requests)
+    if not any(r.get("draft_n") for r in requests) or gen <= acc:
+        return None
+    return round(gen / (gen - acc), 3)
+
+
 def row(d: Path, ceilings: dict[tuple[str, str], Path]) -> dict:
-    m = ROW.fullmatch(d.name)
-    gib, skew, ub = m.group(1), m.group(2), m.group(3)
-    out = {"budget_gib": float(gib), "skew": float(skew), "ubatch": int(ub), "dir": d.name} | binaries(d)
-    if m.group(4):
-        out["cold_decode"] = m.group(4)
-    out["arm"] = m.group(5) or "profile"
+    if m := SEED.fullmatch(d.name):
+        gib, spec, ub, ple, acc, cg = m.groups()
+        out = {"model": "qwen4exp-80b-a3b", "budget_gib": float(gib), "skew": 0.7, "ubatch": int(ub), "spec": int(spec),
+               "accept_rate": float(acc), "ple_mode": ple or "ssd", "ctx": SEED_CTX, "dir": d.name} | binaries(d)
+        if cg:
+            out["cgroup_gib"] = int(cg)
+        out["arm"] = "seed-line"
+    else:
+        m = ROW.fullmatch(d.name)
+        gib, skew, ub = m.group(1), m.group(2), m.group(3)
+        out = {"budget_gib": float(gib), "skew": float(skew), "ubatch": int(ub), "dir": d.name} | binaries(d)
+        if m.group(4):
+            out["cold_decode"] = m.group(4)
+        out["arm"] = m.group(5) or "profile"
     try:
         ctl, cand = fresh(d / "control.json"), fresh(d / "candidate.json")
     except (OSError, KeyError, json.JSONDecodeError) as e:
@@ -91,7 +122,7 @@ def row(d: Path, ceilings: dict[tuple[str, str], Path]) -> dict:
     dec = [c["decode_tps"] / b["decode_tps"] for b, c in zip(ctl, cand)]
     out.update(prefill_ratio_min=round(min(pre), 3), prefill_ratio_max=round(max(pre), 3),
                decode_ratio_min=round(min(dec), 3), decode_ratio_max=round(max(dec), 3))
-    ceil_path = ceilings.get((skew, ub))
+    ceil_path = ceilings.get(ceiling_key(d.name))
     if ceil_path:
         ceil = fresh(ceil_path)
         out["prefill_vs_allgpu"] = round(statistics.median(c["prefill_tps"] / x["prefill_tps"] for c, x in zip(cand, ceil)), 3)
@@ -107,6 +138,17 @@ def row(d: Path, ceilings: dict[tuple[str, str], Path]) -> dict:
         key = f'strata:expert_swap_microseconds_total{{part="{part}"}}'
         if key in mt:
             out[f"swap_{part}_seconds"] = round(mt[key] / 1e6, 3)
+    if "spec" in out:
+        for arm, reqs in (("control", ctl), ("candidate", cand)):
+            if (tps := tokens_per_step(reqs)) is not None:
+                out[f"{arm}_tokens_per_step"] = tps
+        ple = mt.get("strata:ple_supply_seconds_total")
+        if ple is not None:
+            every = json.loads((d / "candidate.json").read_text())["requests"]
+            busy = sum((r["prompt_ms"] or 0) + (r["predicted_ms"] or 0) for r in every) / 1e3
+            # the batches' wait for their PLE rows, against the time of every prompt and decode step
+            out["ple_supply_seconds"] = round(ple, 3)
+            out["ple_supply_share"] = round(ple / busy, 4) if busy else None
     tokens = mt.get("llamacpp:prompt_tokens_total", 0.0)
     if tokens > 0:
         out["h2d_gib_per_1k_tokens"] = round(mt.get("strata:prefill_ring_h2d_bytes_total", 0.0) / tokens * 1000 / GIB, 3)
@@ -178,12 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-decode", action="store_true", help="an object with the decodediag and kprof arms too")
     ap.add_argument("dirs", nargs="+", help="call output directories holding row-* (and gemm-*) directories")
     args = ap.parse_args(argv)
-    rows = sorted(d for base in args.dirs for d in Path(base).glob("row-*") if d.is_dir())
+    rows = sorted(d for base in args.dirs for d in Path(base).glob("row-*") if d.is_dir() and ceiling_key(d.name))
     ceilings: dict[tuple[str, str], Path] = {}
     for d in rows:
-        m = ROW.fullmatch(d.name)
-        if m and (d / "ceiling.json").exists():
-            ceilings[(m.group(2), m.group(3))] = d / "ceiling.json"
+        if (d / "ceiling.json").exists():
+            ceilings[ceiling_key(d.name)] = d / "ceiling.json"
     gemm = sorted(d for base in args.dirs for d in Path(base).glob("gemm-*") if d.is_dir() and GEMM.fullmatch(d.name))
     by_name = {d.name: d for d in gemm}
     out = [row(d, ceilings) for d in rows] + [gemm_row(d, by_name) for d in gemm]
