@@ -204,11 +204,13 @@ pub const ENV_VARS: &[EnvVar] = &[
 /// Names the project's tools, tests and build scripts read. The server does not: it leaves them
 /// alone when they are set in its environment (the tools start it with their own settings set).
 pub const TOOL_VARS: &[&str] = &[
+    "STRATA_ACCEPT",
     "STRATA_ADAPT_EVERY",
     "STRATA_BIN",
     "STRATA_BLESS",
     "STRATA_BUDGET",
     "STRATA_CACHE",
+    "STRATA_CGROUP_GIB",
     "STRATA_COMPAT_OUT",
     "STRATA_COMPAT_TIMEOUT",
     "STRATA_CUDA_ARCHS",
@@ -254,6 +256,7 @@ pub const TOOL_VARS: &[&str] = &[
     "STRATA_RPC_SERVER",
     "STRATA_SERVER",
     "STRATA_SKEW",
+    "STRATA_SKIP_M07",
     "STRATA_STEPS",
     "STRATA_TINY",
     "STRATA_TRACE_GIB",
