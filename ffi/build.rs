@@ -120,7 +120,8 @@ fn which(tool: &str) -> bool {
 }
 
 fn include_dirs(src: &Path) -> Vec<PathBuf> {
-    ["include", "common", "ggml/include", "vendor"].iter().map(|d| src.join(d)).collect()
+    // src: llama-ext.h, llama.cpp's memory accounting per buffer type
+    ["include", "common", "ggml/include", "vendor", "src"].iter().map(|d| src.join(d)).collect()
 }
 
 fn build_shim(manifest: &Path, src: &Path) {

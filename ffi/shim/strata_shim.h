@@ -18,6 +18,10 @@ extern "C" {
 
 void strata_string_free(char * s);
 
+// Bytes a context holds on device `dev`: the model's weights there, the context's memory (KV
+// cache, recurrent state, outputs) and its compute buffers. 0, or -1 on an exception.
+int strata_device_memory(const struct llama_context * ctx, ggml_backend_dev_t dev, size_t * model, size_t * context, size_t * compute);
+
 // What kind of C++ exception the last failed call on this thread caught: llama-server answers
 // std::invalid_argument and JSON errors with 400 and anything else with 500.
 #define STRATA_ERROR_OTHER            0

@@ -326,7 +326,8 @@ fn loaded_layers(p: &Prepared, model: &Model) -> Result<(Prepared, Vec<u32>), St
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
 /// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
 /// before any graph is computed.
-pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Residency, String> {
+/// `ctx`: the context just created, whose buffers on the hot tier's device start-up reports.
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata_ffi::Context<'_>) -> Result<Residency, String> {
     let full_layout = p.layout.clone();
     let (p, unloaded) = loaded_layers(p, model)?;
     let p = &p;
@@ -338,6 +339,16 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     }
     let cfg = &p.cfg;
     let (free, total, dev) = moe::hot_device_memory(main_gpu);
+    let usage = moe::hot_device_use(ctx, main_gpu).filter(|_| moe::has_gpu() && cfg.hot_tier);
+    if let Some([weights, memory, compute]) = usage {
+        let line = format!(
+            "experts: before the hot tier {dev} holds {} of the model's other weights, {} of context memory (KV cache, recurrent state) and {} of compute buffers (their size grows with -ub times the context)",
+            size(weights),
+            size(memory),
+            size(compute)
+        );
+        crate::log::srv(strata_ffi::Verbosity::Info, "load_model", &line);
+    }
     let mut cold = match (cfg.resident_cpu, cfg.pinned) {
         (false, _) => ColdCopy::Mapped,
         (true, false) => ColdCopy::Ram,
@@ -363,6 +374,16 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize) -> Result<Reside
     });
     for line in &d.clamps {
         crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", line);
+    }
+    if let (Some([_, memory, compute]), CacheSize::Auto, 0) = (usage, cfg.cache, d.hot.iter().map(|(_, h)| h.len()).sum::<usize>()) {
+        let line = format!(
+            "experts: the hot tier is empty: {dev} has {} free and --vram-reserve-mib keeps {} MiB; the context takes {} for its memory and {} for compute buffers (a smaller -ub or context shrinks those)",
+            size(free),
+            cfg.vram_reserve_mib,
+            size(memory),
+            size(compute)
+        );
+        crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
     }
     let mut mapped = Vec::new();
     if cold != ColdCopy::Mapped {

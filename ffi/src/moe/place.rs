@@ -42,6 +42,15 @@ pub fn hot_device_memory(main_gpu: usize) -> (u64, u64, String) {
     (free as u64, total as u64, name)
 }
 
+/// Bytes the context `ctx` holds on the hot tier's device: the model's weights there, its
+/// memory (KV cache, recurrent state, outputs) and its compute buffers.
+pub fn hot_device_use(ctx: &mut crate::Context<'_>, main_gpu: usize) -> Option<[u64; 3]> {
+    let (mut m, mut c, mut k) = (0usize, 0usize, 0usize);
+    // SAFETY: a live context; the shim catches llama.cpp's exceptions.
+    let rc = unsafe { sys::strata_device_memory(ctx.as_ptr(), hot_device(main_gpu), &mut m, &mut c, &mut k) };
+    (rc == 0).then_some([m as u64, c as u64, k as u64])
+}
+
 /// Whether the hot tier would live in device memory (a GPU is present).
 pub fn has_gpu() -> bool {
     // SAFETY: no preconditions.
@@ -562,6 +571,24 @@ mod tests {
         assert!(matches!(again, PlaceError::Placed), "{again}");
         let keys = || REGISTRY.read().unwrap().as_ref().map_or(0, |m| m.values().filter(|lt| lt.model == model.as_ptr() as usize).count());
         assert_eq!(keys(), plan.hot.len(), "the first placement's layers stay registered");
+    }
+
+    /// llama.cpp's accounting of a context's buffers on the hot tier's device (here the CPU):
+    /// the compute buffer grows with the batch.
+    #[test]
+    fn a_context_reports_its_weights_memory_and_compute_buffers() {
+        let dir = std::env::var_os("STRATA_MODELS")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/models"));
+        let model = Model::load(&dir.join("tiny-qwen3moe.gguf"), &crate::ModelParams::default()).expect("model");
+        let use_at = |n_batch: u32| {
+            let mut ctx = crate::Context::new(&model, crate::ContextParams::default().with_n_ctx(4096).with_n_batch(n_batch)).expect("context");
+            hot_device_use(&mut ctx, 0).expect("breakdown")
+        };
+        let [weights, memory, small] = use_at(64);
+        assert!(weights > 0 && memory > 0 && small > 0, "{weights} {memory} {small}");
+        let [_, _, large] = use_at(2048);
+        assert!(large > small, "compute buffers: {small} at 64 tokens a batch, {large} at 2048");
     }
 
     #[test]

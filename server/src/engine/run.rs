@@ -125,7 +125,7 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         };
         let mut ctx = ctx;
         if let Some(p) = prepared.as_ref().filter(|_| !placed) {
-            match crate::experts::place(p, &model, cfg.main_gpu) {
+            match crate::experts::place(p, &model, cfg.main_gpu, &mut ctx) {
                 Ok(r) => *shared.residency.lock().unwrap_or_else(|e| e.into_inner()) = Some(r),
                 Err(e) => {
                     return Err(e);
