@@ -1306,24 +1306,21 @@ def pack_kv(key: str, vtype: int, value) -> bytes:
     return _pack_str(key) + struct.pack("<I", vtype) + _pack_value(vtype, value)
 
 
-def scan_kvs(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
-    """Raw bytes of every KV pair in a GGUF file, and the element count of each array KV."""
-    buf = memoryview(path.read_bytes())
-    magic, version, _n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
-    if magic != gguf.GGUF_MAGIC or version < 2:
-        raise SystemExit(f"{path}: not a GGUF v2+ file")
-    off = 24
-    raw: dict[str, bytes] = {}
-    counts: dict[str, int] = {}
+def walk_kvs(buf, off: int, n_kv: int) -> tuple[list[tuple[str, int, int, int | None]], int]:
+    """(key, start, end, element count of an array or None) of the n_kv KV pairs of a GGUF header
+    in buf from off, and the offset after them; ValueError for an array longer than the file."""
     unpack_q = struct.Struct("<Q").unpack_from
 
     def skip(vtype: int, pos: int, n: int = 1) -> int:
+        if n > len(buf) - pos:
+            raise ValueError("an array longer than the file")
         if vtype == VT.STRING:
             for _ in range(n):
                 pos += 8 + unpack_q(buf, pos)[0]
             return pos
         return pos + n * struct.calcsize(_SCALAR_FMT[vtype])
 
+    kvs = []
     for _ in range(n_kv):
         start = off
         klen = unpack_q(buf, off)[0]
@@ -1331,13 +1328,25 @@ def scan_kvs(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
         off += 8 + klen
         vtype = struct.unpack_from("<I", buf, off)[0]
         off += 4
+        count = None
         if vtype == VT.ARRAY:
-            sub, n = struct.unpack_from("<IQ", buf, off)
-            off = skip(sub, off + 12, n)
-            counts[key] = n
+            sub, count = struct.unpack_from("<IQ", buf, off)
+            off = skip(sub, off + 12, count)
         else:
             off = skip(vtype, off)
-        raw[key] = bytes(buf[start:off])
+        kvs.append((key, start, off, count))
+    return kvs, off
+
+
+def scan_kvs(path: Path) -> tuple[dict[str, bytes], dict[str, int]]:
+    """Raw bytes of every KV pair in a GGUF file, and the element count of each array KV."""
+    buf = memoryview(path.read_bytes())
+    magic, version, _n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+    if magic != gguf.GGUF_MAGIC or version < 2:
+        raise SystemExit(f"{path}: not a GGUF v2+ file")
+    kvs, _ = walk_kvs(buf, 24, n_kv)
+    raw = {key: bytes(buf[start:end]) for key, start, end, _ in kvs}
+    counts = {key: n for key, _, _, n in kvs if n is not None}
     return raw, counts
 
 
@@ -1383,32 +1392,9 @@ def parse_gguf_header(buf) -> tuple[list[tuple[str, int, int]], list[tuple[str, 
         magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
         if magic != gguf.GGUF_MAGIC or version < 2:
             raise ValueError("not a GGUF v2+ file")
-        off = 24
+        walked, off = walk_kvs(buf, 24, n_kv)
+        kvs = [(key, start, end) for key, start, end, _ in walked]
         unpack_q = struct.Struct("<Q").unpack_from
-
-        def skip(vtype: int, pos: int, n: int = 1) -> int:
-            if n > len(buf) - pos:
-                raise ValueError("an array longer than the file")
-            if vtype == VT.STRING:
-                for _ in range(n):
-                    pos += 8 + unpack_q(buf, pos)[0]
-                return pos
-            return pos + n * struct.calcsize(_SCALAR_FMT[vtype])
-
-        kvs = []
-        for _ in range(n_kv):
-            start = off
-            klen = unpack_q(buf, off)[0]
-            key = bytes(buf[off + 8: off + 8 + klen]).decode()
-            off += 8 + klen
-            vtype = struct.unpack_from("<I", buf, off)[0]
-            off += 4
-            if vtype == VT.ARRAY:
-                sub, n = struct.unpack_from("<IQ", buf, off)
-                off = skip(sub, off + 12, n)
-            else:
-                off = skip(vtype, off)
-            kvs.append((key, start, off))
         infos = []
         for _ in range(n_tensors):
             nlen = unpack_q(buf, off)[0]
