@@ -63,6 +63,10 @@ static int32_t params_fit(common_params & params) {
     return static_cast<int32_t>(status);
 }
 
+void strata_params_set_n_ubatch(strata_params * p, int32_t n_ubatch) {
+    p->params.n_ubatch = n_ubatch;
+}
+
 int32_t strata_params_fit(strata_params * p, char ** err) {
     return guarded<int32_t>(err, -2, [&]() { return params_fit(p->params); });
 }

@@ -90,6 +90,9 @@ bool strata_backend_init(const strata_params * p, char ** err);
 // --fit is off, -2 with *err on an exception.
 int32_t strata_params_fit(strata_params * p, char ** err);
 
+// The physical batch size of the contexts made from p afterwards (the target's and a draft's).
+void strata_params_set_n_ubatch(strata_params * p, int32_t n_ubatch);
+
 // Once the model is loaded: its general.sampling.* defaults for the settings the command line
 // left alone, the end-of-generation logit biases, and --ignore-eos's use of them.
 bool strata_params_init_sampling(strata_params * p, const struct llama_model * model, char ** err);
@@ -236,6 +239,8 @@ bool strata_speculative_process(strata_speculative * s, struct llama_context * c
 // Whether a drafter has its own context (draft model, MTP head); seq_rm/seq_add keep its
 // sequences in step with the target's (no-ops without one).
 bool strata_speculative_has_context(const strata_speculative * s);
+// What the draft context holds on `dev`, as strata_device_memory; zeros without a draft context.
+int  strata_speculative_device_memory(const strata_speculative * s, ggml_backend_dev_t dev, size_t * model, size_t * context, size_t * compute);
 bool strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, char ** err);
 bool strata_speculative_seq_add(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, llama_pos delta, char ** err);
 // --spec-synth-*: acceptance decided by set rates instead of the model (benchmarking).

@@ -126,6 +126,12 @@ impl ServerParams {
         })
     }
 
+    /// The physical batch size (-ub) of the contexts made from these parameters from now on.
+    pub fn set_n_ubatch(&mut self, n: u32) {
+        // SAFETY: valid, exclusively borrowed handle.
+        unsafe { sys::strata_params_set_n_ubatch(self.as_mut_ptr(), n as i32) }
+    }
+
     pub fn model_params(&mut self) -> Result<crate::ModelParams<'_>> {
         let mut err = std::ptr::null_mut();
         // SAFETY: valid handle; the returned struct may point into common_params (tensor

@@ -96,6 +96,17 @@ impl Speculative {
         unsafe { sys::strata_speculative_has_context(self.ptr.as_ptr()) }
     }
 
+    /// Bytes the draft context holds on the hot tier's device, as `moe::hot_device_use`: the
+    /// weights (shared with the target where the drafter is the model's MTP head), its memory
+    /// and its compute buffers. Zeros without a draft context.
+    pub fn hot_device_use(&self, main_gpu: usize) -> Option<[u64; 3]> {
+        let (mut m, mut c, mut k) = (0usize, 0usize, 0usize);
+        let dev = crate::moe::hot_device(main_gpu);
+        // SAFETY: valid drafter; the shim catches llama.cpp's exceptions.
+        let rc = unsafe { sys::strata_speculative_device_memory(self.ptr.as_ptr(), dev, &mut m, &mut c, &mut k) };
+        (rc == 0).then_some([m as u64, c as u64, k as u64])
+    }
+
     /// How far the draft context can cut a sequence back (Partial without one). Clears the
     /// draft context's memory, so ask before serving.
     pub fn probe_seq_rm(&mut self) -> Result<crate::SeqRm> {

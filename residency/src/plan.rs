@@ -371,6 +371,30 @@ pub fn batch_prefers_ring(cost: &CostModel, n_tok: f64, n_used: f64, cold_share:
     cost.prefers_ring(draws * cold_share, expected_distinct(cold_p, draws), n_tok)
 }
 
+/// The share of the VRAM that the hot tier and the compute buffers divide between them which a
+/// prompt batch's buffers may take: beyond a few thousand tokens a bigger batch saves little of
+/// the ring's copying, while every GiB of hot tier saves decode steps their cold reads.
+pub const PROMPT_BATCH_SHARE: f64 = 0.25;
+
+/// The smallest physical batch the fit lowers to (llama.cpp's default -ub).
+pub const PROMPT_BATCH_MIN: u32 = 512;
+
+/// The physical batch size that keeps the compute buffers within PROMPT_BATCH_SHARE of `shared`
+/// (the VRAM they and the hot tier divide: what is free for the tier plus the buffers), or None
+/// where `n_ubatch` does already or cannot go lower. The buffers grow about linearly with the
+/// batch at a given context (the attention mask and the scores are batch x context), so the size
+/// is scaled and rounded down to a power of two; a caller measures again and may lower further.
+pub fn prompt_batch(n_ubatch: u32, compute: u64, shared: u64) -> Option<u32> {
+    let allowed = (shared as f64 * PROMPT_BATCH_SHARE) as u64;
+    if compute <= allowed || n_ubatch <= PROMPT_BATCH_MIN {
+        return None;
+    }
+    let scaled = (u64::from(n_ubatch) * allowed / compute.max(1)).max(1);
+    let pow2 = 1u64 << (63 - scaled.leading_zeros());
+    let ub = (pow2 as u32).min(n_ubatch / 2).max(PROMPT_BATCH_MIN);
+    Some(ub)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -604,5 +628,24 @@ mod tests {
         assert_eq!(d.cold_copy_bytes, (7 + 8) * 100);
         assert_eq!(decide(&Inputs { cold: ColdCopy::Mapped, ..inputs(&lay, None) }).cold_copy_bytes, 0);
         assert_eq!(pads_per_layer(&lay, 0.5), 6, "--pcie-frac adds staging slots and their pads");
+    }
+
+    #[test]
+    fn a_prompt_batch_whose_buffers_take_the_hot_tiers_room_is_scaled_down() {
+        let gib = 1u64 << 30;
+        // 9 GiB of buffers for 8192 tokens: a quarter of 24 GiB holds 5461 tokens' worth, 12 GiB 2730
+        assert_eq!(prompt_batch(8192, 9 * gib, 24 * gib), Some(4096));
+        assert_eq!(prompt_batch(8192, 9 * gib, 12 * gib), Some(2048));
+        // within the share: kept
+        assert_eq!(prompt_batch(8192, 6 * gib, 24 * gib), None);
+        // never below llama.cpp's default, and nothing to do there
+        assert_eq!(prompt_batch(8192, 20 * gib, 4 * gib), Some(PROMPT_BATCH_MIN));
+        assert_eq!(prompt_batch(512, 20 * gib, 21 * gib), None);
+        // a second measurement still over the share lowers it by at least half
+        assert_eq!(prompt_batch(4096, 7 * gib, 24 * gib), Some(2048));
+        // no room at all: the smallest batch
+        assert_eq!(prompt_batch(4096, gib, 0), Some(PROMPT_BATCH_MIN));
+        // an odd -ub above the floor halves at most to its half
+        assert_eq!(prompt_batch(1000, gib, 3 * gib), Some(PROMPT_BATCH_MIN));
     }
 }

@@ -323,11 +323,38 @@ fn loaded_layers(p: &Prepared, model: &Model) -> Result<(Prepared, Vec<u32>), St
     Ok((out, unloaded))
 }
 
+/// Where the compute buffers of the context just made (and of the draft context `draft`, as
+/// `Speculative::hot_device_use` gives it) would take more than their share of the VRAM they and
+/// an automatic hot tier divide, the physical batch size to make the contexts again with, and
+/// the line that says so. At a long context a big prompt batch's attention masks and scores
+/// alone can take a 24 GiB card, leaving no expert hot.
+pub fn prompt_batch_fit(p: &Prepared, main_gpu: usize, ctx: &mut strata_ffi::Context<'_>, draft: Option<[u64; 3]>) -> Option<(u32, String)> {
+    let cfg = &p.cfg;
+    if !(cfg.hot_tier && cfg.cache == CacheSize::Auto && moe::has_gpu()) {
+        return None;
+    }
+    let [_, _, compute] = moe::hot_device_use(ctx, main_gpu)?;
+    let compute = compute + draft.map_or(0, |[_, _, c]| c);
+    let (free, _, dev) = moe::hot_device_memory(main_gpu);
+    let shared = (free + compute).saturating_sub(cfg.vram_reserve_mib << 20).saturating_sub(AUTO_MARGIN);
+    let n_ubatch = ctx.n_ubatch();
+    let ub = plan::prompt_batch(n_ubatch, compute, shared)?;
+    let line = format!(
+        "experts: prompt batches of {n_ubatch} tokens at a {}-token context need {} of compute buffers on {dev}, more than {:.0}% of the {} the hot tier and the buffers share; the contexts are made again with -ub {ub} (an --expert-cache N keeps -ub as typed)",
+        ctx.n_ctx(),
+        size(compute),
+        100.0 * plan::PROMPT_BATCH_SHARE,
+        size(shared)
+    );
+    Some((ub, line))
+}
+
 /// Places the experts of `model` per the prepared flags. Runs once, after the first context is
 /// created (so that the VRAM left after weights, KV and compute buffers can be measured) and
 /// before any graph is computed.
-/// `ctx`: the context just created, whose buffers on the hot tier's device start-up reports.
-pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata_ffi::Context<'_>) -> Result<Residency, String> {
+/// `ctx`: the context just created, whose buffers on the hot tier's device start-up reports;
+/// `draft`: what a draft context made before placement holds there.
+pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata_ffi::Context<'_>, draft: Option<[u64; 3]>) -> Result<Residency, String> {
     let full_layout = p.layout.clone();
     let (p, unloaded) = loaded_layers(p, model)?;
     let p = &p;
@@ -340,9 +367,12 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata
     let cfg = &p.cfg;
     let (free, total, dev) = moe::hot_device_memory(main_gpu);
     let usage = moe::hot_device_use(ctx, main_gpu).filter(|_| moe::has_gpu() && cfg.hot_tier);
+    // the draft context's weights are the target's where it drafts with the model's MTP head
+    let usage = usage.map(|[w, m, c]| draft.map_or([w, m, c], |[_, dm, dc]| [w, m + dm, c + dc]));
     if let Some([weights, memory, compute]) = usage {
+        let with_draft = if draft.is_some_and(|[_, m, c]| m + c > 0) { " (with the draft context's)" } else { "" };
         let line = format!(
-            "experts: before the hot tier {dev} holds {} of the model's other weights, {} of context memory (KV cache, recurrent state) and {} of compute buffers (their size grows with -ub times the context)",
+            "experts: before the hot tier {dev} holds {} of the model's other weights, {} of context memory (KV cache, recurrent state) and {} of compute buffers{with_draft} (their size grows with -ub times the context)",
             size(weights),
             size(memory),
             size(compute)

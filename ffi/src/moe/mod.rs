@@ -40,6 +40,7 @@ mod types;
 mod zero_copy;
 
 pub(crate) use decode::{after_decode, logs_routing};
+pub(crate) use place::hot_device;
 pub use place::{has_gpu, hot_device_memory, hot_device_use, place};
 pub(crate) use registry::{build_experts, extra_nodes, fail, forget_model, take_failure};
 pub use registry::{expert_counts, hits, ring_stats, uploads};

@@ -124,8 +124,18 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
             }
         };
         let mut ctx = ctx;
+        // the draft context exists before the hot tier is sized, so that its buffers are counted
+        let mut spec = new_speculative(&mut cfg, &mut ctx)?;
         if let Some(p) = prepared.as_ref().filter(|_| !placed) {
-            match crate::experts::place(p, &model, cfg.main_gpu, &mut ctx) {
+            let draft = spec.as_ref().and_then(|s| s.hot_device_use(cfg.main_gpu));
+            if let Some((ub, line)) = crate::experts::prompt_batch_fit(p, cfg.main_gpu, &mut ctx, draft) {
+                crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
+                drop(spec);
+                drop(ctx);
+                cfg.params.set_n_ubatch(ub);
+                continue;
+            }
+            match crate::experts::place(p, &model, cfg.main_gpu, &mut ctx, draft) {
                 Ok(r) => *shared.residency.lock().unwrap_or_else(|e| e.into_inner()) = Some(r),
                 Err(e) => {
                     return Err(e);
@@ -136,13 +146,6 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         ctx.init_from_params(&mut cfg.params).map_err(|e| e.to_string())?;
         // init_from_params turns the context shift off where the memory cannot shift, as upstream does
         cfg.ctx_shift &= ctx.can_shift();
-        let spec = match new_speculative(&mut cfg, &mut ctx) {
-            Ok(s) => s,
-            Err(e) => {
-                return Err(e);
-            }
-        };
-        let mut spec = spec;
         let probed = ctx.probe_seq_rm().and_then(|s| Ok((s, spec.as_mut().map_or(Ok(SeqRm::Partial), Speculative::probe_seq_rm)?)));
         let (seq_rm, draft_seq_rm) = match probed {
             Ok(p) => p,
