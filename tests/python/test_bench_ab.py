@@ -55,3 +55,39 @@ def test_quick_ab_runs_both_arms_and_compares(tmp_path):
     assert "candidate / control" in (tmp_path / "compare.md").read_text()
     for f in ("control.json", "candidate.json", "control.log", "candidate.log", "prefill.png"):
         assert (tmp_path / f).stat().st_size > 0, f
+
+
+def test_the_control_is_fitted_by_its_measured_start_and_lowers_its_batch_only_where_that_overflows():
+    gib = 2 ** 30
+    experts = [gib] * 8
+    seen = []
+
+    def probe(ub):  # compute buffers of 1 GiB a 1024 tokens beside 2 GiB of weights and KV
+        seen.append(ub)
+        return 2 * gib + ub * gib // 1024
+
+    # a 16 GiB card holds the typed -ub 4096 (6 GiB) and all 8 GiB of experts
+    ub, n, lines = ab_tool.fit_control(experts, 16, 4096, probe)
+    assert (ub, n, seen) == (4096, 0, [4096]), lines
+    # a 8 GiB card: 6 GiB leaves 1.75 GiB, one layer of experts
+    seen.clear()
+    ub, n, lines = ab_tool.fit_control(experts, 8, 4096, probe)
+    assert (ub, n) == (4096, 7), lines
+    # a 5 GiB card cannot hold the 8192-token batch's 10 GiB: halved until the start fits
+    seen.clear()
+    ub, n, lines = ab_tool.fit_control(experts, 5, 8192, probe)
+    assert seen == [8192, 4096, 2048] and ub == 2048 and n == 8, lines
+    assert lines[-1].endswith("-> -ub 2048 --n-cpu-moe 8"), lines
+    # nothing fits: the smallest batch, every expert on the CPU, and a warning
+    seen.clear()
+    ub, n, lines = ab_tool.fit_control(experts, 2, 2048, probe)
+    assert (ub, n, seen) == (512, 8, [2048, 1024, 512]) and lines[-1].startswith("warning:"), lines
+    # no GPU to measure on: said, and no placement
+    ub, n, lines = ab_tool.fit_control(experts, 8, 4096, lambda ub: None)
+    assert n == -1 and "could not be measured" in lines[-1]
+
+
+def test_the_batch_size_a_command_line_types_is_the_last_one():
+    assert ab_tool.ubatch_of(["-c", "4096"]) == 512
+    assert ab_tool.ubatch_of(["-b", "8192", "-ub", "8192", "--ubatch-size", "2048"]) == 2048
+    assert ab_tool.ubatch_of(["--prefill", "8192"]) == 8192

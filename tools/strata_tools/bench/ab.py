@@ -10,7 +10,10 @@ Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, b
 stopped before the next starts; strata-server also writes the host's time around its decode
 steps to DIR/<arm>.steps.jsonl (STRATA_STEP_TRACE). With --vram-gib G the run emulates a card of G GiB: the control
 gets the placement such a user would choose, `-ngl 99 --n-cpu-moe N` with N from the tensor sizes
-(--plan prints that arithmetic alone); the candidate gets the same placement plus
+(--plan prints that arithmetic alone); on a GPU the control is instead fitted by measurement
+(`fit_control`: one start with every expert on the CPU gives what the card holds besides the
+experts, compute buffers included; where that exceeds the card, -ub halves as a user's would);
+the candidate gets the same placement plus
 `--vram-reserve-mib`, the Strata flag that will let its expert residency use the rest.
 With --ceiling a third arm runs first: the control with everything on the GPU (`-ngl 99`), the
 all-GPU ceiling both are compared with.
@@ -108,6 +111,79 @@ def plan_n_cpu_moe(model: Path, vram_gib: float, n_ctx: int, kv_bytes: tuple[flo
     return n, lines
 
 
+# What a fitted control leaves free on the card beyond its measured start: buffers that grow
+# after the first requests (the GPU library's workspaces).
+FIT_MARGIN_GIB = 0.25
+UB_MIN = 512
+
+
+def ubatch_of(args: list[str]) -> int:
+    """The physical batch size in server arguments (llama.cpp's default 512; the last one given wins)."""
+    ub = UB_MIN
+    for i, a in enumerate(args[:-1]):
+        if a in ("-ub", "--ubatch-size", "--prefill"):
+            ub = int(args[i + 1])
+    return ub
+
+
+def fit_control(experts: list[int], vram_gib: float, ub: int, probe) -> tuple[int, int, list[str]]:
+    """The control a user would run on a card of vram_gib: the typed -ub where the server with
+    every expert on the CPU fits the card, else the largest halving of it (down to 512) that does;
+    then the smallest --n-cpu-moe whose GPU experts fit beside what that start took. probe(ub)
+    starts the server so and returns the bytes it took on the card (weights but the experts, KV
+    cache, compute buffers, the CUDA context), or None where that cannot be measured."""
+    budget = vram_gib * GIB - FIT_MARGIN_GIB * GIB
+    lines = []
+    while True:
+        base = probe(ub)
+        if base is None:
+            return ub, -1, lines + [f"probe: -ub {ub}: the card's use could not be measured"]
+        lines.append(f"probe: -ub {ub}, every expert on the CPU: {base / GIB:.3f} GiB on the card")
+        if base <= budget or ub <= UB_MIN:
+            break
+        ub = max(UB_MIN, ub // 2)
+    n = 0
+    while n < len(experts) and base + sum(experts[n:]) > budget:
+        n += 1
+    lines.append(f"card {vram_gib:g} GiB (margin {FIT_MARGIN_GIB:.2f}): experts of layers {n}..{len(experts) - 1} on the GPU = "
+                 f"{sum(experts[n:]) / GIB:.3f} GiB, total {(base + sum(experts[n:])) / GIB:.3f} GiB -> -ub {ub} --n-cpu-moe {n}")
+    if base > budget:
+        lines.append(f"warning: the control does not fit the card even with every expert on the CPU at -ub {ub}")
+    return ub, n, lines
+
+
+def card_used_mib() -> int | None:
+    """Memory in use on the first GPU in MiB, from nvidia-smi; None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = out.stdout.strip().splitlines()[:1]
+    return int(first[0]) if out.returncode == 0 and first and first[0].strip().isdigit() else None
+
+
+def probe_start(cmd: list[str], log: Path, port: int) -> int | None:
+    """Bytes the server of cmd takes on the (otherwise idle) first GPU once ready and warmed up:
+    the card's use with it running less the use before it started."""
+    before = card_used_mib()
+    if before is None:
+        return None
+    with open(log, "ab", buffering=0) as f:
+        proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            after = card_used_mib()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return None if after is None else max(0, after - before) << 20
+
+
 def card_total_mib() -> int | None:
     """The first GPU's memory in MiB, from nvidia-smi; None without one."""
     try:
@@ -173,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(e.g. the drafting the candidate's own flags imply)")
     ap.add_argument("--candidate-args", default="", help="flags for the candidate only (its expert tiers), one string; "
                     "with --vram-gib they replace --n-cpu-moe")
+    ap.add_argument("--no-control-fit", action="store_true", help="with --vram-gib on a GPU, place the control by the "
+                    "tensor arithmetic alone instead of measuring its start with every expert on the CPU")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     try:
@@ -197,15 +275,27 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
     candidate_extra: list[str] = []
     if args.vram_gib is not None:
         n, lines = plan_n_cpu_moe(Path(args.model), args.vram_gib, args.ctx, kv_type_bytes(extra))
+        control_extra = ["-ngl", "99", "--n-cpu-moe", str(n)]
+        total = card_total_mib()
+        if total is not None and not args.no_control_fit:
+            # the arithmetic's headroom is no measure of compute buffers, which grow with -ub times the context
+            typed = ubatch_of(extra + shlex.split(args.control_args))
+            base = [args.control] + common + ["-ngl", "99", "--cpu-moe"] + shlex.split(args.control_args)
+            probe_log = Path(args.out) / "control-probe.log"
+            _, experts = sizes(Path(args.model), args.ctx)[1:]
+            ub, n, fitted = fit_control(experts, args.vram_gib, typed,
+                                        lambda u: probe_start(base + ["-ub", str(u)], probe_log, args.port))
+            lines = [lines[0]] + fitted
+            if n >= 0:
+                control_extra = ["-ngl", "99", "--n-cpu-moe", str(n)] + (["-ub", str(ub)] if ub != typed else [])
         print("\n".join(lines), flush=True)
         (Path(args.out) / "placement.txt").write_text("\n".join(lines) + "\n")
-        control_extra = ["-ngl", "99", "--n-cpu-moe", str(n)]
         candidate_extra = ["-ngl", "99"] if args.candidate_args else list(control_extra)
-        total = card_total_mib()
         if total is not None:
             candidate_extra += ["--vram-reserve-mib", str(max(0, total - int(args.vram_gib * 1024)))]
     candidate_extra += shlex.split(args.candidate_args)
-    control_extra += shlex.split(args.control_args)
+    fitted_ub = control_extra[-2:] if control_extra[-2:-1] == ["-ub"] else []
+    control_extra = control_extra[:len(control_extra) - len(fitted_ub)] + shlex.split(args.control_args) + fitted_ub
     ceiling_extra = ["-ngl", "99"] + shlex.split(args.control_args)
     ceiling = [run_arm("ceiling", [args.control] + common + ceiling_extra, args, args.port)] if args.ceiling else []
     runs = [run_arm("control", [args.control] + common + control_extra, args, args.port),
