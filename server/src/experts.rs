@@ -435,7 +435,7 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata
         mapped = split.mapped;
     }
     let mapped_layers = mapped.len();
-    let (floor, ring_half) = (d.floor, d.ring_half);
+    let (floor, ring_half, budget) = (d.floor, d.ring_half, d.budget);
     let plan = moe::Plan {
         hot: d.hot,
         cold,
@@ -534,6 +534,14 @@ pub fn place(p: &Prepared, model: &Arc<Model>, main_gpu: usize, ctx: &mut strata
         (Some(line), _) => crate::log::srv(strata_ffi::Verbosity::Info, "load_model", line),
         (None, 0) if cfg.hot_tier && cfg.ring_slots != Some(0) && !moe::has_gpu() => {
             crate::log::srv(strata_ffi::Verbosity::Info, "load_model", "prefill ring: off (no GPU): prompt batches compute their cold experts on the CPU")
+        }
+        (None, 0) if cfg.hot_tier && cfg.ring_slots.is_none() && cfg.cache == CacheSize::Auto && placement.experts[Tier::Hot as usize] < n_pairs => {
+            let line = format!(
+                "prefill ring: off ({:.0}% of the {} that the hot tier and the ring share is less than the ring's windows need): prompt batches compute their cold experts on the CPU",
+                100.0 * plan::RING_MAX_SHARE,
+                size(budget)
+            );
+            crate::log::srv(strata_ffi::Verbosity::Warn, "load_model", &line);
         }
         _ => {}
     }
