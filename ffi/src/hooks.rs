@@ -1,4 +1,4 @@
-//! The Rust side of the hook ABI that patches/0001, 0004 and 0010 add to llama.cpp (`strata-hooks.h`).
+//! The Rust side of the hook ABI that patches/0001, 0004, 0010 and 0011 add to llama.cpp (`strata-hooks.h`).
 //! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines
 //! (crate::strata_hooks installs Strata's own).
 
@@ -38,6 +38,11 @@ pub trait Hooks: Send + Sync + 'static {
     /// When the decode returns `ret`: what llama_decode returns instead.
     fn decode_end(&self, _model: *const sys::llama_model, _ctx: *mut sys::llama_context, ret: i32) -> i32 {
         ret
+    }
+    /// Whether layer `il`'s QSA attention of an `n_tokens` batch gathers each token's selected
+    /// cells from the KV cache instead of masking every cell (patches/0011).
+    fn qsa_gather(&self, _model: *const sys::llama_model, _il: i32, _n_tokens: u32) -> bool {
+        false
     }
 }
 
@@ -155,6 +160,10 @@ extern "C" fn decode_end(user_data: *mut c_void, model: *const sys::llama_model,
     catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).decode_end(model, ctx, ret))).unwrap_or(-3)
 }
 
+extern "C" fn qsa_gather(user_data: *mut c_void, model: *const sys::llama_model, il: i32, n_tokens: u32) -> bool {
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).qsa_gather(model, il, n_tokens))).unwrap_or(false)
+}
+
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
 pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
     // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
@@ -172,6 +181,7 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         decode_begin: Some(decode_begin),
         decode_end: Some(decode_end),
         ubatch_done: Some(ubatch_done),
+        qsa_gather: Some(qsa_gather),
     };
     // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
     if unsafe { sys::strata_hooks_set(&table) } != 0 {

@@ -16,6 +16,7 @@ mod decode_scope;
 mod error;
 pub mod gemm;
 pub mod hooks;
+pub mod kv;
 mod lora;
 mod model;
 pub mod moe;

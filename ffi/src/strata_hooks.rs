@@ -1,6 +1,6 @@
 //! The hook table Strata installs in llama.cpp: the expert tiers (crate::moe), PLE rows
-//! (crate::ple) and the scope of every decode (crate::decode_scope), each a no-op until its
-//! module has work for a model.
+//! (crate::ple), the scope of every decode (crate::decode_scope) and the KV cache's reads
+//! (crate::kv), each a no-op until its module has work for a model.
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Once};
@@ -43,6 +43,10 @@ impl Hooks for Strata {
 
     fn decode_end(&self, model: *const sys::llama_model, ctx: *mut sys::llama_context, ret: i32) -> i32 {
         crate::decode_scope::end(model, ctx, ret)
+    }
+
+    fn qsa_gather(&self, _model: *const sys::llama_model, _il: i32, n_tokens: u32) -> bool {
+        crate::kv::qsa_gather(n_tokens)
     }
 }
 

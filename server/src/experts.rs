@@ -139,6 +139,7 @@ pub fn prepare(cfg: &ExpertConfig, model_path: &Path, use_mmap: bool) -> Result<
     }
     // Before the model's contexts exist: they size their graphs by the hook's extra nodes.
     strata_ffi::install_hooks().map_err(|e| e.to_string())?;
+    strata_ffi::kv::set_qsa_gather(cfg.lab.qsa_gather);
     Ok(Prepared { cfg: cfg.clone(), layout, sha256, profile })
 }
 

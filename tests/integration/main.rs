@@ -14,6 +14,7 @@ mod gemma;
 mod hooks;
 mod http;
 mod init;
+mod kv;
 mod ple;
 mod responses;
 mod router;

@@ -119,6 +119,9 @@ pub struct Lab {
     pub pageable_copy: bool,
     /// A fault the ring's copier injects into itself (`ring-fault=copy:N|die:N|no-thread`).
     pub ring_fault: Option<RingFault>,
+    /// QSA layers attend over each token's gathered cells in batches of up to this many tokens
+    /// (`qsa-gather=N`; 0: the masked attention over every cell).
+    pub qsa_gather: u32,
 }
 
 /// Faults the prefill ring's copier injects into itself for tests (`STRATA_LAB=ring-fault=...`),

@@ -129,7 +129,7 @@ pub const ENV_VARS: &[EnvVar] = &[
         value: "ITEMS",
         default: "none (the product path)",
         needs: TIERS_ON,
-        help: "comma-separated settings of the expert tiers for tests and experiments (docs/lab.md): emulate-ring, zero-copy, pageable-copy, flat-ids, ring-trace=FILE, ring-waves=N, ring-pace-kib=N, ring-prefetch-min-p=P, ring-fault=copy:N|die:N|no-thread; an unknown item stops the start",
+        help: "comma-separated settings of the expert tiers for tests and experiments (docs/lab.md): emulate-ring, zero-copy, pageable-copy, flat-ids, ring-trace=FILE, ring-waves=N, ring-pace-kib=N, ring-prefetch-min-p=P, ring-fault=copy:N|die:N|no-thread, qsa-gather=N; an unknown item stops the start",
         effect: Effect::Experts,
         set: |s, v| {
             s.lab = super::lab::parse(v)?;

@@ -8,7 +8,7 @@ pub const VAR: &str = "STRATA_LAB";
 
 /// The items, with what each takes, as the error for an unknown one lists them.
 const ITEMS: &str =
-    "emulate-ring, zero-copy, pageable-copy, flat-ids, ring-trace=FILE, ring-waves=1..8, ring-pace-kib=KIB, ring-prefetch-min-p=0..1, ring-fault=copy:N|die:N|no-thread";
+    "emulate-ring, zero-copy, pageable-copy, flat-ids, ring-trace=FILE, ring-waves=1..8, ring-pace-kib=KIB, ring-prefetch-min-p=0..1, ring-fault=copy:N|die:N|no-thread, qsa-gather=N";
 
 /// Parses a `STRATA_LAB` value: items separated by commas, each a name or name=value.
 pub fn parse(value: &str) -> Result<Lab, String> {
@@ -74,6 +74,13 @@ pub fn parse(value: &str) -> Result<Lab, String> {
                     .ok_or_else(|| bad("expected copy:N (the N-th copy job fails), die:N (the copier thread dies at its N-th job) or no-thread"))?,
                 )
             }
+            "qsa-gather" => {
+                lab.qsa_gather = need()?
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|&n| (1..=64).contains(&n))
+                    .ok_or_else(|| bad("expected the largest batch, 1 to 64 tokens, whose QSA attention gathers each token's selected cells"))?
+            }
             _ => return Err(format!("{VAR}: unknown item '{name}': expected a comma-separated list of {ITEMS}")),
         }
     }
@@ -92,6 +99,7 @@ mod tests {
         assert_eq!(lab.ring_trace.as_deref(), Some(std::path::Path::new("/tmp/t.jsonl")));
         assert_eq!((lab.ring_waves, lab.ring_copy_pace, lab.ring_prefetch_min_p), (Some(2), Some(16 << 10), Some(0.25)));
         assert!(parse("pageable-copy").unwrap().pageable_copy);
+        assert_eq!(parse("qsa-gather=8").unwrap().qsa_gather, 8);
         assert_eq!(parse("ring-fault=copy:3").unwrap().ring_fault, Some(Fault::Copy(3)));
         assert_eq!(parse("ring-fault=die:1").unwrap().ring_fault, Some(Fault::Die(1)));
         assert_eq!(parse("ring-fault=no-thread").unwrap().ring_fault, Some(Fault::NoThread));
@@ -109,6 +117,7 @@ mod tests {
             ("zero-copy=1", "zero-copy takes no value"),
             ("ring-prefetch-min-p=2", "0 to 1"),
             ("ring-pace-kib=-1", "0 to 4194304"),
+            ("qsa-gather=0", "1 to 64 tokens"),
         ] {
             let e = parse(value).unwrap_err();
             assert!(e.starts_with("STRATA_LAB: ") && e.contains(says), "{value}: {e}");
