@@ -133,9 +133,13 @@ bool strata_speculative_has_context(const strata_speculative * s) {
 }
 
 int strata_speculative_device_memory(const strata_speculative * s, ggml_backend_dev_t dev, size_t * model, size_t * context, size_t * compute) {
-    *model = *context = *compute = 0;
-    const llama_context * ctx = draft_context(s);
-    return ctx ? strata_device_memory(ctx, dev, model, context, compute) : 0;
+    try {
+        *model = *context = *compute = 0;
+        const llama_context * ctx = draft_context(s);
+        return ctx ? strata_device_memory(ctx, dev, model, context, compute) : 0;
+    } catch (...) {
+        return -1;
+    }
 }
 
 bool strata_speculative_seq_rm(strata_speculative * s, llama_seq_id seq, llama_pos p0, llama_pos p1, char ** err) {

@@ -15,6 +15,7 @@ CANNOT_THROW = {
     "strata_string_free": "std::free",
     "strata_stdio_flush": "fflush",
     "strata_params_free": "delete of an object whose destructor is noexcept",
+    "strata_params_set_n_ubatch": "sets an int",
     "strata_chat_templates_free": "delete of an object whose destructor is noexcept",
     "strata_sampler_free": "common_sampler_free and delete, noexcept",
     "strata_speculative_free": "common_speculative_free and delete, noexcept",
