@@ -89,15 +89,21 @@ def sizes(model: Path, n_ctx: int, kv_bytes: tuple[float, float] = (2.0, 2.0)) -
     return kv, other + kv_cache + int(HEADROOM_GIB * GIB), experts
 
 
+def smallest_n_cpu_moe(fixed: float, experts: list[int], budget: float) -> int:
+    """The fewest leading layers whose experts, kept on the CPU, leave fixed plus the rest within budget."""
+    n = 0
+    while n < len(experts) and fixed + sum(experts[n:]) > budget:
+        n += 1
+    return n
+
+
 def plan_n_cpu_moe(model: Path, vram_gib: float, n_ctx: int, kv_bytes: tuple[float, float] = (2.0, 2.0)) -> tuple[int, list[str]]:
     """The smallest --n-cpu-moe that fits weights, KV cache and headroom in vram_gib, and the
     lines of arithmetic behind it."""
     kv, fixed, experts = sizes(model, n_ctx, kv_bytes)
     n_layer = len(experts)
     budget = vram_gib * GIB
-    n = 0
-    while n < n_layer and fixed + sum(experts[n:]) > budget:
-        n += 1
+    n = smallest_n_cpu_moe(fixed, experts, budget)
     lines = [
         f"model {model.name}: {n_layer} layers, experts {sum(experts) / GIB:.3f} GiB, "
         f"other weights {kv['strata.other_bytes'] / GIB:.3f} GiB",
@@ -142,9 +148,7 @@ def fit_control(experts: list[int], vram_gib: float, ub: int, probe) -> tuple[in
         if base <= budget or ub <= UB_MIN:
             break
         ub = max(UB_MIN, ub // 2)
-    n = 0
-    while n < len(experts) and base + sum(experts[n:]) > budget:
-        n += 1
+    n = smallest_n_cpu_moe(base, experts, budget)
     lines.append(f"card {vram_gib:g} GiB (margin {FIT_MARGIN_GIB:.2f}): experts of layers {n}..{len(experts) - 1} on the GPU = "
                  f"{sum(experts[n:]) / GIB:.3f} GiB, total {(base + sum(experts[n:])) / GIB:.3f} GiB -> -ub {ub} --n-cpu-moe {n}")
     if base > budget:
@@ -154,13 +158,7 @@ def fit_control(experts: list[int], vram_gib: float, ub: int, probe) -> tuple[in
 
 def card_used_mib() -> int | None:
     """Memory in use on the first GPU in MiB, from nvidia-smi; None without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    first = out.stdout.strip().splitlines()[:1]
-    return int(first[0]) if out.returncode == 0 and first and first[0].strip().isdigit() else None
+    return card_mib("memory.used")
 
 
 def probe_start(cmd: list[str], log: Path, port: int) -> int | None:
@@ -175,24 +173,33 @@ def probe_start(cmd: list[str], log: Path, port: int) -> int | None:
             wait_ready(f"http://127.0.0.1:{port}", proc)
             after = card_used_mib()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
     return None if after is None else max(0, after - before) << 20
 
 
-def card_total_mib() -> int | None:
-    """The first GPU's memory in MiB, from nvidia-smi; None without one."""
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def card_mib(field: str) -> int | None:
+    """nvidia-smi's FIELD (memory.total, memory.used) of the first GPU in MiB; None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     first = out.stdout.strip().splitlines()[:1]
     return int(first[0]) if out.returncode == 0 and first and first[0].strip().isdigit() else None
+
+
+def card_total_mib() -> int | None:
+    """The first GPU's memory in MiB, from nvidia-smi; None without one."""
+    return card_mib("memory.total")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
@@ -224,12 +231,7 @@ def run_arm(label: str, cmd: list[str], args, port: int) -> Path:
             except OSError as e:
                 print(f"   no /metrics: {e}", flush=True)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
     return result
 
 
