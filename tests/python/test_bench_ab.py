@@ -85,6 +85,30 @@ def test_the_control_is_fitted_by_its_measured_start_and_lowers_its_batch_only_w
     # no GPU to measure on: said, and no placement
     ub, n, lines = ab_tool.fit_control(experts, 8, 4096, lambda ub: None)
     assert n == -1 and "could not be measured" in lines[-1]
+    # two probes give the line: the halvings it puts over the card are not started
+    seen.clear()
+    ub, n, lines = ab_tool.fit_control(experts, 3.4, 16384, probe)
+    assert seen == [16384, 8192, 1024] and ub == 1024, lines
+
+
+def test_a_probe_cache_starts_each_control_once_per_machine(tmp_path):
+    calls = []
+
+    def probe(ub):
+        calls.append(ub)
+        return ub * 10 if ub > 1 else None
+
+    cache = tmp_path / "probes.json"
+    a = ab_tool.cached_probe(probe, cache, "llama-server -m x")
+    assert (a(4096), a(4096)) == (40960, 40960) and calls == [4096]
+    # another run of the tool on the same machine reads it; another command line does not
+    assert ab_tool.cached_probe(probe, cache, "llama-server -m x")(4096) == 40960 and calls == [4096]
+    assert ab_tool.cached_probe(probe, cache, "llama-server -m y")(4096) == 40960 and calls == [4096, 4096]
+    # an unmeasured probe is not remembered; no cache file: every call probes
+    assert ab_tool.cached_probe(probe, cache, "z")(1) is None and ab_tool.cached_probe(probe, cache, "z")(1) is None
+    assert calls == [4096, 4096, 1, 1]
+    assert ab_tool.cached_probe(probe, None, "k")(2) == 20 and ab_tool.cached_probe(probe, None, "k")(2) == 20
+    assert calls[-2:] == [2, 2]
 
 
 def test_the_batch_size_a_command_line_types_is_the_last_one():

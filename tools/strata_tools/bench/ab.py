@@ -25,6 +25,7 @@ docs/bench-ab.md; this script only needs the two binaries.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import subprocess
@@ -140,20 +141,58 @@ def fit_control(experts: list[int], vram_gib: float, ub: int, probe) -> tuple[in
     cache, compute buffers, the CUDA context), or None where that cannot be measured."""
     budget = vram_gib * GIB - FIT_MARGIN_GIB * GIB
     lines = []
+    seen: dict[int, int] = {}
     while True:
         base = probe(ub)
         if base is None:
             return ub, -1, lines + [f"probe: -ub {ub}: the card's use could not be measured"]
         lines.append(f"probe: -ub {ub}, every expert on the CPU: {base / GIB:.3f} GiB on the card")
+        seen[ub] = base
         if base <= budget or ub <= UB_MIN:
             break
-        ub = max(UB_MIN, ub // 2)
+        ub = next_ub(seen, budget)
     n = smallest_n_cpu_moe(base, experts, budget)
     lines.append(f"card {vram_gib:g} GiB (margin {FIT_MARGIN_GIB:.2f}): experts of layers {n}..{len(experts) - 1} on the GPU = "
                  f"{sum(experts[n:]) / GIB:.3f} GiB, total {(base + sum(experts[n:])) / GIB:.3f} GiB -> -ub {ub} --n-cpu-moe {n}")
     if base > budget:
         lines.append(f"warning: the control does not fit the card even with every expert on the CPU at -ub {ub}")
     return ub, n, lines
+
+
+def next_ub(seen: dict[int, int], budget: float) -> int:
+    """The next -ub to probe after the smallest probed one did not fit: its half, or, with two
+    probes, the largest halving that the line through them (buffers grow with -ub) puts under
+    the budget, so that a start is not spent on each halving between."""
+    ub = min(seen)
+    nxt = max(UB_MIN, ub // 2)
+    if len(seen) < 2:
+        return nxt
+    hi = max(u for u in seen if u != ub)
+    slope = (seen[hi] - seen[ub]) / (hi - ub)
+    while nxt > UB_MIN and seen[ub] - slope * (ub - nxt) > budget:
+        nxt //= 2
+    return max(UB_MIN, nxt)
+
+
+def cached_probe(probe, path: Path | None, key: str):
+    """probe(ub), remembered in the JSON file at path under key and ub: rows of one machine that
+    start the same control probe it once."""
+    def run(ub: int) -> int | None:
+        memo = {}
+        if path is not None and path.exists():
+            try:
+                memo = json.loads(path.read_text())
+            except (OSError, ValueError):
+                memo = {}
+        k = f"{key} -ub {ub}"
+        if k in memo:
+            return memo[k]
+        got = probe(ub)
+        if path is not None and got is not None:
+            memo[k] = got
+            path.write_text(json.dumps(memo, indent=1))
+        return got
+    return run
 
 
 def card_used_mib() -> int | None:
@@ -253,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     "with --vram-gib they replace --n-cpu-moe")
     ap.add_argument("--no-control-fit", action="store_true", help="with --vram-gib on a GPU, place the control by the "
                     "tensor arithmetic alone instead of measuring its start with every expert on the CPU")
+    ap.add_argument("--probe-cache", metavar="FILE", help="remember the control's probes in FILE (JSON) for later "
+                    "rows on the same machine")
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
     try:
@@ -285,8 +326,9 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
             base = [args.control] + common + ["-ngl", "99", "--cpu-moe"] + shlex.split(args.control_args)
             probe_log = Path(args.out) / "control-probe.log"
             _, experts = sizes(Path(args.model), args.ctx)[1:]
-            ub, n, fitted = fit_control(experts, args.vram_gib, typed,
-                                        lambda u: probe_start(base + ["-ub", str(u)], probe_log, args.port))
+            probe = cached_probe(lambda u: probe_start(base + ["-ub", str(u)], probe_log, args.port),
+                                 args.probe_cache and Path(args.probe_cache), shlex.join(base))
+            ub, n, fitted = fit_control(experts, args.vram_gib, typed, probe)
             lines = [lines[0]] + fitted
             if n >= 0:
                 control_extra = ["-ngl", "99", "--n-cpu-moe", str(n)] + (["-ub", str(ub)] if ub != typed else [])
