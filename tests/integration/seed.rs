@@ -16,6 +16,10 @@ fn spec_alone_drafts_with_the_mtp_head_or_says_that_nothing_drafts() {
     let (status, v) = s.post("/completion", &body);
     assert_eq!(status, 200, "{v}");
     assert!(v["timings"]["draft_n"].as_u64().unwrap() > 0, "{}", v["timings"]);
+    // random weights: no draft is accepted, so drafting backs off (steps 0, 1, 3, 7 and 15 of 24
+    // draft, at most 3 tokens each, where every step would draft 3)
+    let (n, acc) = (v["timings"]["draft_n"].as_u64().unwrap(), v["timings"]["draft_n_accepted"].as_u64().unwrap());
+    assert!(acc > 0 || n <= 15, "{}", v["timings"]);
     drop(s);
 
     let plain = model("tiny-qwen3moe.gguf");

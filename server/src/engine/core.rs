@@ -399,6 +399,7 @@ pub(super) struct Active<'m> {
     pub(super) n_draft_total: usize,
     pub(super) n_draft_accepted: usize,
     pub(super) n_draft_steps: usize,
+    pub(super) backoff: super::speculative::Backoff,
     /// The slot's partial state from before the current draft, when rejecting part of it
     /// cannot be undone by cutting the sequence back.
     pub(super) spec_ckpt: Option<Checkpoint>,
@@ -434,6 +435,7 @@ impl<'m> Active<'m> {
             n_draft_total: 0,
             n_draft_accepted: 0,
             n_draft_steps: 0,
+            backoff: Default::default(),
             spec_ckpt: None,
             user_starts: Vec::new(),
             alora: None,

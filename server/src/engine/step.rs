@@ -112,12 +112,19 @@ impl<'m> Engine<'m> {
                 let room = capacity - self.batch.len() - 1;
                 let draft = match self.spec.as_mut().filter(|_| self.seq_rm != SeqRm::No) {
                     Some(spec) => {
-                        let n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
+                        let mut n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
+                        // the synthetic drafter stands for a chosen acceptance rate: it drafts every step
+                        if n_max > 0 && !spec.has_synth() && !a.backoff.should_draft() {
+                            n_max = 0;
+                        }
                         let id = slot.id as i32;
                         let drafted = (|| {
                             // a draft context that cannot cut drafted tokens back gets its state back instead
                             let saved = (self.draft_seq_rm == SeqRm::WholeOnly && n_max > 0).then(|| spec.checkpoint(id, false)).transpose()?;
                             let draft = if n_max > 0 { spec.draft(id, &slot.cache, t, n_max)? } else { Vec::new() };
+                            if n_max > 0 && draft.is_empty() {
+                                a.backoff.record(0);
+                            }
                             if let Some(state) = saved {
                                 spec.restore(id, &state)?;
                             }
