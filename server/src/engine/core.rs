@@ -340,6 +340,8 @@ pub struct EngineConfig {
     pub experts: Option<crate::experts::ExpertConfig>,
     /// --ple-mode ssd: how the PLE table's rows are read from the file.
     pub ple: Option<strata_ffi::ple::PleConfig>,
+    /// --kv-resident N.
+    pub kv_resident: Option<u64>,
     /// STRATA_HIPBLASLT_TUNING / STRATA_PREFILL_MMQ: the GEMM dispatch, when either is set.
     pub gemm: Option<crate::gemm::GemmConfig>,
     /// --max-queued: most tasks waiting for a slot before requests get 503.
@@ -399,7 +401,7 @@ pub(super) struct Active<'m> {
     pub(super) n_draft_total: usize,
     pub(super) n_draft_accepted: usize,
     pub(super) n_draft_steps: usize,
-    pub(super) backoff: super::speculative::Backoff,
+    pub(super) backoff: super::backoff::Backoff,
     /// The slot's partial state from before the current draft, when rejecting part of it
     /// cannot be undone by cutting the sequence back.
     pub(super) spec_ckpt: Option<Checkpoint>,

@@ -7,6 +7,7 @@
 //! whose event channel is closed (client gone) is cancelled at the next step.
 
 mod admission;
+mod backoff;
 mod checkpoint;
 mod core;
 mod embed;

@@ -114,7 +114,8 @@ impl<'m> Engine<'m> {
                     Some(spec) => {
                         let mut n_max = draft_max(a, slot.cache.len(), self.n_ctx_slot).min(room).min(spec.n_max());
                         // the synthetic drafter stands for a chosen acceptance rate: it drafts every step
-                        if n_max > 0 && !spec.has_synth() && !a.backoff.should_draft() {
+                        let backs_off = spec.has_context() && !spec.has_synth();
+                        if n_max > 0 && backs_off && !a.backoff.should_draft() {
                             n_max = 0;
                         }
                         let id = slot.id as i32;
