@@ -1,4 +1,4 @@
-//! The Rust side of the hook ABI that patches/0001, 0004, 0010 and 0011 add to llama.cpp (`strata-hooks.h`).
+//! The Rust side of the hook ABI that patches/0001, 0004, 0010, 0011 and 0012 add to llama.cpp (`strata-hooks.h`).
 //! Strata modules implement [`Hooks`]; [`install`] hands llama.cpp a table of trampolines
 //! (crate::strata_hooks installs Strata's own).
 
@@ -43,6 +43,16 @@ pub trait Hooks: Send + Sync + 'static {
     /// cells from the KV cache instead of masking every cell (patches/0011).
     fn qsa_gather(&self, _model: *const sys::llama_model, _il: i32, _n_tokens: u32) -> bool {
         false
+    }
+    /// Whether layer `il`'s K and V of the KV cache tagged `name_tag` are placed by `kv_alloc`
+    /// (patches/0012).
+    fn kv_claim(&self, _model: *const sys::llama_model, _il: i32, _name_tag: &std::ffi::CStr) -> bool {
+        false
+    }
+    /// Allocates every tensor of `ctx` (claimed K and V of one buffer type `buft`) in a buffer the
+    /// cache then owns; null to leave them to `buft`.
+    fn kv_alloc(&self, _model: *const sys::llama_model, _ctx: *mut sys::ggml_context, _buft: sys::ggml_backend_buffer_type_t) -> sys::ggml_backend_buffer_t {
+        std::ptr::null_mut()
     }
 }
 
@@ -164,6 +174,24 @@ extern "C" fn qsa_gather(user_data: *mut c_void, model: *const sys::llama_model,
     catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).qsa_gather(model, il, n_tokens))).unwrap_or(false)
 }
 
+extern "C" fn kv_claim(user_data: *mut c_void, model: *const sys::llama_model, il: i32, name_tag: *const std::ffi::c_char) -> bool {
+    if name_tag.is_null() {
+        return false;
+    }
+    // SAFETY: llama.cpp passes a NUL-terminated tag that lives for the call.
+    let tag = unsafe { std::ffi::CStr::from_ptr(name_tag) };
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).kv_claim(model, il, tag))).unwrap_or(false)
+}
+
+extern "C" fn kv_alloc(
+    user_data: *mut c_void,
+    model: *const sys::llama_model,
+    ctx: *mut sys::ggml_context,
+    buft: sys::ggml_backend_buffer_type_t,
+) -> sys::ggml_backend_buffer_t {
+    catch_unwind(AssertUnwindSafe(|| hooks_from(user_data).kv_alloc(model, ctx, buft))).unwrap_or(std::ptr::null_mut())
+}
+
 /// Installs `hooks` process-wide, replacing any earlier set. Call before loading models.
 pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
     // Leaked on purpose: llama.cpp keeps every installed table alive for the process lifetime.
@@ -182,6 +210,8 @@ pub fn install(hooks: Arc<dyn Hooks>) -> Result<(), AbiMismatch> {
         decode_end: Some(decode_end),
         ubatch_done: Some(ubatch_done),
         qsa_gather: Some(qsa_gather),
+        kv_claim: Some(kv_claim),
+        kv_alloc: Some(kv_alloc),
     };
     // SAFETY: the table is copied by llama.cpp; the trampolines and user_data live forever.
     if unsafe { sys::strata_hooks_set(&table) } != 0 {

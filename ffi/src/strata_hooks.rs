@@ -48,6 +48,14 @@ impl Hooks for Strata {
     fn qsa_gather(&self, _model: *const sys::llama_model, _il: i32, n_tokens: u32) -> bool {
         crate::kv::qsa_gather(n_tokens)
     }
+
+    fn kv_claim(&self, model: *const sys::llama_model, il: i32, name_tag: &std::ffi::CStr) -> bool {
+        crate::kv::claim(model, il, name_tag)
+    }
+
+    fn kv_alloc(&self, _model: *const sys::llama_model, ctx: *mut sys::ggml_context, buft: sys::ggml_backend_buffer_type_t) -> sys::ggml_backend_buffer_t {
+        crate::kv::alloc(ctx, buft)
+    }
 }
 
 static INSTALL: Once = Once::new();

@@ -20,3 +20,18 @@ static ggml_backend_buffer_t ggml_backend_cuda_mapped_buffer_new(int device, voi
     ctx->release = []() {};
     return ggml_backend_buffer_init(ggml_backend_cuda_buffer_type(device), ggml_backend_cuda_buffer_interface, ctx, size);
 }
+
+// The same over all of `host`, a buffer of the device's host buffer type, which the mapped buffer
+// then owns and frees with itself (a KV cache placed in host memory frees only its own buffers).
+// nullptr when the device cannot address it; `host` is then still the caller's.
+static ggml_backend_buffer_t ggml_backend_cuda_mapped_buffer_own(int device, ggml_backend_buffer_t host) {
+    if (host == nullptr) {
+        return nullptr;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_cuda_mapped_buffer_new(device, ggml_backend_buffer_get_base(host), ggml_backend_buffer_get_size(host));
+    if (buf == nullptr) {
+        return nullptr;
+    }
+    static_cast<ggml_backend_cuda_buffer_context *>(buf->context)->release = [host]() { ggml_backend_buffer_free(host); };
+    return buf;
+}

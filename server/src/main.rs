@@ -8,6 +8,7 @@ mod cli;
 mod engine;
 mod experts;
 mod gemm;
+mod kv;
 mod log;
 mod ple;
 mod router;
@@ -226,6 +227,7 @@ fn serve(
             ctx_shift: conf.ctx_shift,
             experts,
             ple,
+            kv_resident: strata.kv_resident,
             gemm,
             max_queued,
             use_mmap: conf.load_mode.maps_the_file(),

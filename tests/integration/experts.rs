@@ -670,7 +670,7 @@ fn idle_cold_expert_workers_use_no_cpu() {
 /// "Keep PLE on SSD" and its four variables) on a tiny qwen4exp, the architecture it was measured
 /// on (MoE, MTP, a PLE table): it starts on a machine without a GPU, says what it cannot use
 /// here, and keeps the greedy output of the same model served plainly with the same KV type and
-/// drafting.
+/// placement and drafting.
 #[test]
 fn the_seed_command_line_serves_and_keeps_the_output() {
     let m = model("tiny-qwen4exp.gguf");
@@ -681,7 +681,8 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
     let table = dir.join("gfx1100-hipblaslt-100100.txt");
     std::fs::write(&table, "strata-gemm-table 1\nvalidator arch gfx1100\nvalidator runtime 70151\nvalidator blaslt 100100\n").unwrap();
 
-    let plain = ["-m", m, "-c", "4096", "--no-repack", "--kv", "int8", "--spec-type", "draft-mtp", "--spec", "4", "--spec-min-p", "0.5"];
+    let plain =
+        ["-m", m, "-c", "262144", "--no-repack", "--kv", "int8", "--kv-resident", "32768", "--spec-type", "draft-mtp", "--spec", "4", "--spec-min-p", "0.5"];
     let reference = Server::start(&plain, &[]);
     let want = generate(&reference, LONG);
     drop(reference);
@@ -721,7 +722,7 @@ fn the_seed_command_line_serves_and_keeps_the_output() {
         "--kv int8: --cache-type-k q8_0 --cache-type-v q8_0",
         "--max-context 262144: --ctx-size 262144",
         "--spec 4: up to 4 draft tokens a step, drafted by the model's MTP head (1 layer(s); --spec-type draft-mtp)",
-        "--kv-resident is accepted but has no effect in this build yet",
+        "--kv-resident 32768: the K and V of 2 QSA layers (98.0 MiB for 262144 tokens a sequence) live in host memory",
         // each expert flag's effect, one line each
         "--mmap-experts: the experts stay in the file mapping; 0 cold experts (0.0 MiB) are read from it",
         "--resident-cpu-experts: a pageable RAM copy of 80 cold experts",

@@ -1,6 +1,7 @@
-//! How the KV cache is read: QSA layers (the tiny qwen4exp's sparse attention) attending over
-//! each token's gathered cells (patches/0011, STRATA_LAB=qsa-gather=N) keep the masked
-//! attention's output, in decode and in prompt batches, with an f16 and a q8_0 cache.
+//! How the KV cache is read and where it lives: QSA layers (the tiny qwen4exp's sparse attention)
+//! attending over each token's gathered cells (patches/0011, STRATA_LAB=qsa-gather=N) keep the
+//! masked attention's output, in decode and in prompt batches, with an f16 and a q8_0 cache; and
+//! with `--kv-resident N` their K and V are placed by Strata (patches/0012) with the same output.
 
 use serde_json::{json, Value};
 
@@ -89,4 +90,30 @@ fn qsa_attention_over_gathered_cells_keeps_the_output() {
         let d = max_difference(&masked, &gathered, &what);
         assert!(d <= TOL, "{what}: log-probabilities differ by {d}");
     }
+}
+
+#[test]
+fn kv_resident_places_the_qsa_layers_cache_and_keeps_the_output() {
+    let m = model(MODEL);
+    let ms = m.to_str().unwrap();
+    let prompt: String = (0..150).map(|i| format!("word{i} alpha beta ")).collect();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["-m", ms, "-c", "4096", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"];
+        args.extend_from_slice(extra);
+        let s = Server::start(&args, &[]);
+        let log = s.log.lock().unwrap().clone();
+        let out = generate(&s, &prompt);
+        // a second request reuses the cached prompt in the placed cache
+        let again = generate(&s, &prompt);
+        assert_eq!(out["tokens"], again["tokens"], "{extra:?}: the same request twice");
+        (out, log)
+    };
+    let (plain, _) = run(&[]);
+    let (placed, log) = run(&["--kv-resident", "64"]);
+    assert!(log.contains("--kv-resident 64: the K and V of 2 QSA layers (0.5 MiB for 4096 tokens a sequence) live in host memory"), "{log}");
+    let d = max_difference(&plain, &placed, "--kv-resident 64");
+    assert!(d <= TOL, "log-probabilities differ by {d}");
+    // a context within N moves nothing, and says so
+    let (_, log) = run(&["--kv-resident", "8192"]);
+    assert!(log.contains("--kv-resident 8192: a sequence's 4096 tokens fit: the KV cache stays on the card"), "{log}");
 }

@@ -194,11 +194,11 @@ pub const FLAGS: &[Flag] = &[
     Flag {
         name: "--kv-resident",
         kind: Kind::Value("N"),
-        help: "tokens of KV kept resident in VRAM",
+        help: "at most N tokens of a sequence's KV cache on the card: the K and V of sparse-attention (QSA) layers live in page-locked host memory the GPU reads in place (dense attention layers keep theirs; start-up says so)",
         default: "all",
         needs: "",
         maps_to: None,
-        effect: Effect::NotYet,
+        effect: Effect::Active,
         set: |a, v| {
             a.kv_resident = Some(number(v)?);
             Ok(())
@@ -595,7 +595,7 @@ mod tests {
             assert!(line.contains("(default: "), "a row without its default: {line}");
         }
         let marked: Vec<&str> = h.lines().filter(|l| l.ends_with(NOT_YET)).map(|l| l.split_whitespace().next().unwrap_or("")).collect();
-        assert_eq!(marked, ["--kv-resident"]);
+        assert!(marked.is_empty(), "flags that do nothing yet: {marked:?}");
     }
 
     #[test]
@@ -606,7 +606,7 @@ mod tests {
         assert_eq!(w, [format!("--adapt-every {off}"), format!("--pool-workers {off}"), format!("STRATA_PREFILL_RING is set but {off}")]);
         assert!(warnings(&strata, true, &[]).is_empty());
         let (strata, _) = split(&argv("--kv-resident 1024")).unwrap();
-        assert_eq!(warnings(&strata, true, &[]), ["--kv-resident is accepted but has no effect in this build yet"]);
+        assert!(warnings(&strata, false, &[]).is_empty());
     }
 
     #[test]

@@ -113,6 +113,12 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     if let Ok(mut l) = shared.lora.lock() {
         *l = infos;
     }
+    let kv_plan = cfg.kv_resident.map(|n| kv_plan(&cfg, &model, n));
+    if let Some(p) = kv_plan.as_ref().filter(|p| p.host) {
+        strata_ffi::install_hooks().map_err(|e| e.to_string())?;
+        strata_ffi::kv::set_sparse_kv_host(true);
+        strata_ffi::kv::set_qsa_gather(p.gather.max(cfg.experts.as_ref().map_or(0, |e| e.lab.qsa_gather)));
+    }
     let mut woken_by: Option<Job> = None;
     let mut placed = false;
     open_step_trace(cfg.step_trace.as_deref());
@@ -126,6 +132,10 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
         let mut ctx = ctx;
         // the draft context exists before the hot tier is sized, so that its buffers are counted
         let mut spec = new_speculative(&mut cfg, &mut ctx)?;
+        if let Some(p) = kv_plan.as_ref().filter(|_| !placed) {
+            let (warn, line) = p.line(strata_ffi::kv::host_bytes());
+            crate::log::srv(if warn { strata_ffi::Verbosity::Warn } else { strata_ffi::Verbosity::Info }, "load_model", &line);
+        }
         if let Some(p) = prepared.as_ref().filter(|_| !placed) {
             let draft = spec.as_ref().and_then(|s| s.hot_device_use(cfg.main_gpu));
             if let Some((ub, line)) = crate::experts::prompt_batch_fit(p, cfg.main_gpu, &mut ctx, draft) {
@@ -255,4 +265,14 @@ pub(super) fn with_op_profile(p: strata_ffi::ContextParams, path: Option<&std::p
             p
         }
     }
+}
+
+/// What `--kv-resident N` comes to for this model and context (before the contexts exist).
+fn kv_plan(cfg: &EngineConfig, model: &Model, n: u64) -> crate::kv::KvPlan {
+    // every layer index a model may have, its MTP layers included
+    let sparse = (0..512).filter(|&il| strata_ffi::kv::layer_sparse(model, il)).count();
+    let n_ctx = cfg.params.to_json().ok().and_then(|v| v["n_ctx"].as_u64()).filter(|&c| c > 0).unwrap_or(model.n_ctx_train().max(0) as u64);
+    let n_ctx_seq = if cfg.kv_unified { n_ctx } else { n_ctx / cfg.n_parallel.max(1) as u64 };
+    let gpu = strata_ffi::moe::has_gpu().then(|| strata_ffi::moe::hot_device_memory(cfg.main_gpu).2);
+    crate::kv::plan(n, n_ctx_seq, sparse, gpu.as_deref())
 }
