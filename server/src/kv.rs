@@ -18,13 +18,15 @@ pub struct KvPlan {
     n_ctx_seq: u64,
     sparse: usize,
     gpu: Option<String>,
+    fa_off: bool,
 }
 
 /// For a model with `sparse` QSA layers at `n_ctx_seq` tokens a sequence, on `gpu` (its name) or
-/// the CPU.
-pub fn plan(n: u64, n_ctx_seq: u64, sparse: usize, gpu: Option<&str>) -> KvPlan {
+/// the CPU; `fa_off`: flash attention switched off (-fa off), which the gather needs.
+pub fn plan(n: u64, n_ctx_seq: u64, sparse: usize, gpu: Option<&str>, fa_off: bool) -> KvPlan {
     let host = sparse > 0 && n_ctx_seq > n;
-    KvPlan { host, gather: if host { GATHER_MAX_TOKENS } else { 0 }, n, n_ctx_seq, sparse, gpu: gpu.map(str::to_string) }
+    let gather = if host && !fa_off { GATHER_MAX_TOKENS } else { 0 };
+    KvPlan { host, gather, n, n_ctx_seq, sparse, gpu: gpu.map(str::to_string), fa_off }
 }
 
 impl KvPlan {
@@ -52,11 +54,16 @@ impl KvPlan {
             Some(g) => format!("page-locked host memory that {g} reads in place"),
             None => "host memory (no GPU: where the cache is anyway)".to_string(),
         };
+        let read = if self.fa_off {
+            "flash attention is off (-fa off), which the gather of each token's selected cells needs: every step reads the whole cache over the bus".to_string()
+        } else {
+            format!("batches of up to {} tokens attend over each token's selected cells, gathered", self.gather)
+        };
         (
-            false,
+            self.fa_off,
             format!(
-                "--kv-resident {n}: the K and V of {} QSA layers ({mib:.1} MiB for {} tokens a sequence) live in {whose}; batches of up to {} tokens attend over each token's selected cells, gathered; the indexer's keys and dense attention layers' K and V stay where llama.cpp puts them",
-                self.sparse, self.n_ctx_seq, self.gather
+                "--kv-resident {n}: the K and V of {} QSA layers ({mib:.1} MiB for {} tokens a sequence) live in {whose}; {read}; the indexer's keys and dense attention layers' K and V stay where llama.cpp puts them",
+                self.sparse, self.n_ctx_seq
             ),
         )
     }
@@ -68,7 +75,7 @@ mod tests {
 
     #[test]
     fn only_sparse_layers_of_a_context_longer_than_n_go_to_the_host() {
-        let p = plan(32768, 262144, 12, Some("CUDA0"));
+        let p = plan(32768, 262144, 12, Some("CUDA0"), false);
         assert!(p.host && p.gather == GATHER_MAX_TOKENS);
         let (warn, line) = p.line(3 << 30);
         assert!(
@@ -76,19 +83,24 @@ mod tests {
             "{line}"
         );
         // a context within N: nothing moves
-        let p = plan(32768, 16384, 12, Some("CUDA0"));
+        let p = plan(32768, 16384, 12, Some("CUDA0"), false);
         assert!(!p.host && p.gather == 0);
         assert_eq!(p.line(0), (false, "--kv-resident 32768: a sequence's 16384 tokens fit: the KV cache stays on the card".to_string()));
         // dense attention only: said, as a warning
-        let p = plan(1024, 262144, 0, Some("CUDA0"));
+        let p = plan(1024, 262144, 0, Some("CUDA0"), false);
         assert!(!p.host);
         let (warn, line) = p.line(0);
         assert!(warn && line.contains("no sparse-attention (QSA) layers") && line.contains("not built"), "{line}");
         // the allocation declined: the cache stayed on the card, as a warning
-        let (warn, line) = plan(64, 4096, 3, Some("CUDA0")).line(0);
+        let (warn, line) = plan(64, 4096, 3, Some("CUDA0"), false).line(0);
         assert!(warn && line.contains("could not be placed"), "{line}");
         // no GPU
-        let (_, line) = plan(64, 4096, 3, None).line(1 << 20);
+        let (_, line) = plan(64, 4096, 3, None, false).line(1 << 20);
         assert!(line.contains("host memory (no GPU"), "{line}");
+        // -fa off: no gather, and a warning that says what a step reads
+        let p = plan(64, 4096, 3, Some("CUDA0"), true);
+        assert!(p.host && p.gather == 0);
+        let (warn, line) = p.line(1 << 20);
+        assert!(warn && line.contains("flash attention is off (-fa off)"), "{line}");
     }
 }

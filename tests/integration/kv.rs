@@ -113,6 +113,9 @@ fn kv_resident_places_the_qsa_layers_cache_and_keeps_the_output() {
     assert!(log.contains("--kv-resident 64: the K and V of 2 QSA layers (0.5 MiB for 4096 tokens a sequence) live in host memory"), "{log}");
     let d = max_difference(&plain, &placed, "--kv-resident 64");
     assert!(d <= TOL, "log-probabilities differ by {d}");
+    // without flash attention nothing gathers: said, with what a step then reads
+    let (_, log) = run(&["--kv-resident", "64", "-fa", "off", "-ctk", "f16", "-ctv", "f16"]);
+    assert!(log.contains("flash attention is off (-fa off), which the gather of each token's selected cells needs"), "{log}");
     // a context within N moves nothing, and says so
     let (_, log) = run(&["--kv-resident", "8192"]);
     assert!(log.contains("--kv-resident 8192: a sequence's 4096 tokens fit: the KV cache stays on the card"), "{log}");

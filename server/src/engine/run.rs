@@ -113,7 +113,8 @@ fn start_and_serve(mut cfg: EngineConfig, mut rx: mpsc::Receiver<Job>, state: &w
     if let Ok(mut l) = shared.lora.lock() {
         *l = infos;
     }
-    let kv_plan = cfg.kv_resident.map(|n| kv_plan(&cfg, &model, n));
+    let kv_resident = cfg.kv_resident;
+    let kv_plan = kv_resident.map(|n| kv_plan(&mut cfg, &model, n));
     if let Some(p) = kv_plan.as_ref().filter(|p| p.host) {
         strata_ffi::install_hooks().map_err(|e| e.to_string())?;
         strata_ffi::kv::set_sparse_kv_host(true);
@@ -268,11 +269,14 @@ pub(super) fn with_op_profile(p: strata_ffi::ContextParams, path: Option<&std::p
 }
 
 /// What `--kv-resident N` comes to for this model and context (before the contexts exist).
-fn kv_plan(cfg: &EngineConfig, model: &Model, n: u64) -> crate::kv::KvPlan {
+fn kv_plan(cfg: &mut EngineConfig, model: &Model, n: u64) -> crate::kv::KvPlan {
     // every layer index a model may have, its MTP layers included
     let sparse = (0..512).filter(|&il| strata_ffi::kv::layer_sparse(model, il)).count();
-    let n_ctx = cfg.params.to_json().ok().and_then(|v| v["n_ctx"].as_u64()).filter(|&c| c > 0).unwrap_or(model.n_ctx_train().max(0) as u64);
+    let params = cfg.params.to_json().unwrap_or_default();
+    let n_ctx = params["n_ctx"].as_u64().filter(|&c| c > 0).unwrap_or(model.n_ctx_train().max(0) as u64);
+    // llama_flash_attn_type: -1 auto, 0 disabled, 1 enabled
+    let fa_off = cfg.params.llama_params_json().is_ok_and(|v| v["context"]["flash_attn_type"].as_i64() == Some(0));
     let n_ctx_seq = if cfg.kv_unified { n_ctx } else { n_ctx / cfg.n_parallel.max(1) as u64 };
     let gpu = strata_ffi::moe::has_gpu().then(|| strata_ffi::moe::hot_device_memory(cfg.main_gpu).2);
-    crate::kv::plan(n, n_ctx_seq, sparse, gpu.as_deref())
+    crate::kv::plan(n, n_ctx_seq, sparse, gpu.as_deref(), fa_off)
 }
