@@ -23,9 +23,9 @@ def test_a_depth_takes_the_corpus_from_its_start_and_repeats_it():
     assert depth.prompt_ids([1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
     with pytest.raises(SystemExit):
         depth.prompt_ids([], 4)
-    assert depth.arms_of(["a", "bin", "-x", "---", "b", "bin2"]) == [("a", ["bin", "-x"]), ("b", ["bin2"])]
+    assert depth.arms_of(["a", "bin", "-x", "---", "b", "bin2"], "depth") == [("a", ["bin", "-x"]), ("b", ["bin2"])]
     with pytest.raises(SystemExit):
-        depth.arms_of(["a"])
+        depth.arms_of(["a"], "depth")
 
 
 def test_each_arm_measures_every_depth(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from strata_tools import provenance
 from strata_tools.bench.ab import card_used_mib
+from strata_tools.bench.probe import arms_of
 from strata_tools.device import parity
 
 DEFAULT_DEPTHS = "8192,32768,131072,262144"
@@ -28,19 +29,6 @@ def prompt_ids(tokens: list[int], depth: int) -> list[int]:
         raise SystemExit("depth: the corpus tokenized to nothing")
     reps = -(-depth // len(tokens))
     return (tokens * reps)[:depth]
-
-
-def arms_of(argv: list[str]) -> list[tuple[str, list[str]]]:
-    arms, cur = [], []
-    for tok in argv + ["---"]:
-        if tok == "---":
-            if len(cur) < 2:
-                raise SystemExit("depth: each arm needs a label and a command")
-            arms.append((cur[0], cur[1:]))
-            cur = []
-        else:
-            cur.append(tok)
-    return arms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     text = Path(a.corpus).read_text(errors="replace")
     results = []
-    for label, cmd in arms_of(argv[cut + 1:]):
+    for label, cmd in arms_of(argv[cut + 1:], "depth"):
         arm = {"label": label, "cmd": cmd, "binary": provenance.binary(provenance.command_binary(cmd)), "rows": []}
         results.append(arm)
         with parity.Server(cmd, out / f"{label}.log") as s:

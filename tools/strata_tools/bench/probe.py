@@ -15,6 +15,20 @@ from strata_tools import provenance
 from strata_tools.device import parity
 
 
+def arms_of(argv: list[str], tool: str) -> list[tuple[str, list[str]]]:
+    """LABEL CMD ARGS... --- LABEL CMD ARGS... as (label, command) pairs."""
+    arms, cur = [], []
+    for tok in argv + ["---"]:
+        if tok == "---":
+            if len(cur) < 2:
+                raise SystemExit(f"{tool}: each arm needs a label and a command")
+            arms.append((cur[0], cur[1:]))
+            cur = []
+        else:
+            cur.append(tok)
+    return arms
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -25,15 +39,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv[:cut])
-    arms, cur = [], []
-    for tok in argv[cut + 1:] + ["---"]:
-        if tok == "---":
-            if len(cur) < 2:
-                raise SystemExit("probe: each arm needs a label and a command")
-            arms.append((cur[0], cur[1:]))
-            cur = []
-        else:
-            cur.append(tok)
+    arms = arms_of(argv[cut + 1:], "probe")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     prompt = Path(a.prompt_file).read_text()
