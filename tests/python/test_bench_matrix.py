@@ -153,3 +153,34 @@ def test_with_decode_adds_the_decodediag_arms_and_the_kernel_totals(tmp_path):
     assert arms["tiered"]["binary"]["commit"] == "ba9876543210" and arms["allgpu"]["binary"] is None
     assert arms["broken"]["error"].startswith("no result")
     assert out["kprof"] == {"call2": {"allgpu": {"steps": 10, "kernels_per_step": 1110, "gpu_us_per_step": 6939.1}}}
+
+
+def depth_dir(base: Path, arm: str, cmd: list[str], rows: list[tuple[int, float, float]], log: str = "") -> None:
+    d = base / f"depth-24-{arm}-a0.9"
+    d.mkdir(parents=True)
+    arms = [{"label": arm, "cmd": cmd, "binary": STRATA_BIN if "strata" in cmd[0] else UPSTREAM_BIN, "n_ctx": 262144,
+             "rows": [{"prompt_tokens": p, "prefill_tps": pre, "decode_tps": dec, "predicted_n": 128, "card_used_mib": 24000}
+                      for p, pre, dec in rows]}]
+    (d / "depth.json").write_text(json.dumps(arms))
+    (d / f"{arm}.log").write_text(log)
+
+
+def test_depth_rows_compare_each_depth_with_the_faster_control_and_the_short_row(tmp_path):
+    up, st = ["/x/llama-server", "-c", "262144"], ["/x/strata-server", "--max-context", "262144"]
+    depth_dir(tmp_path, "control", up, [(8192, 1000, 20), (262016, 500, 10)])
+    depth_dir(tmp_path, "nkvo", up + ["-nkvo"], [(8192, 800, 25), (262016, 400, 5)])
+    depth_dir(tmp_path, "kv", st + ["--kv-resident", "32768"], [(8192, 3000, 100), (262016, 1000, 60)],
+              log="--expert-cache auto: 13000 experts hot (14.57 GiB)\n... profile hit rate of the hot tier 99.50%\n")
+    depth_dir(tmp_path, "short", ["/x/strata-server", "--max-context", "16384"], [(8192, 3200, 120)])
+    res = subprocess.run([sys.executable, str(MATRIX), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    rows = {(r["arm"], r["prompt_tokens"]): r for r in json.loads(res.stdout)}
+    assert set(rows) == {("kv", 8192), ("kv", 262016), ("short", 8192)}
+    kv = rows[("kv", 262016)]
+    assert (kv["kind"], kv["model"], kv["ctx"], kv["kv_resident"], kv["budget_gib"]) == ("depth", "qwen4exp-80b-a3b", 262144, 32768, 24.0)
+    # the control at 8192 is the faster per measure: prefill 1000 (control), decode 25 (nkvo)
+    assert rows[("kv", 8192)]["control"] == {"prefill_tps": 1000, "decode_tps": 25}
+    assert (rows[("kv", 8192)]["prefill_ratio_min"], rows[("kv", 8192)]["decode_ratio_min"]) == (3.0, 4.0)
+    assert (kv["prefill_ratio_min"], kv["decode_ratio_min"], kv["decode_vs_short"]) == (2.0, 6.0, 0.5)
+    assert (kv["hot_experts"], kv["hit_rate"]) == (13000, 0.995)
+    assert rows[("short", 8192)]["kv_resident"] is None and "hot_experts" not in rows[("short", 8192)]

@@ -5,7 +5,8 @@ memory in use while it serves (nvidia-smi; none without a GPU).
   depth --corpus FILE [--depths 8192,32768,131072,262144] [--n 128] --out DIR -- LABEL CMD ARGS... --- LABEL CMD ARGS...
 
 The corpus is tokenized once per server (/tokenize) and repeated as needed; the request at depth D
-sends its first D tokens, so every depth and every arm reads the same text. Each arm's rows go to
+sends its first D tokens, so every depth and every arm reads the same text. A depth that would not
+leave room for the N generated tokens in a slot's context (/props) is cut to fit it. Each arm's rows go to
 DIR/depth.json (with its binary's sha256 and --version line) as they come, so a cut run keeps
 what it measured; the server's log is DIR/LABEL.log."""
 from __future__ import annotations
@@ -31,6 +32,11 @@ def prompt_ids(tokens: list[int], depth: int) -> list[int]:
     return (tokens * reps)[:depth]
 
 
+def fitted(depth: int, n_ctx: int | None, n: int) -> int:
+    """The depth cut so that it and the n generated tokens fit a slot's context of n_ctx."""
+    return depth if not n_ctx else min(depth, n_ctx - n)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
@@ -53,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         with parity.Server(cmd, out / f"{label}.log") as s:
             tokens = s.post("/tokenize", {"content": text, "add_special": False})["tokens"]
             s.post("/completion", {"prompt": tokens[:200], "n_predict": 8, "cache_prompt": False})
+            n_ctx = s.get("/props").get("default_generation_settings", {}).get("n_ctx")
+            arm["n_ctx"] = n_ctx
             for d in depths:
-                r = s.post("/completion", {"prompt": prompt_ids(tokens, d), "n_predict": a.n, "cache_prompt": False,
+                r = s.post("/completion", {"prompt": prompt_ids(tokens, fitted(d, n_ctx, a.n)), "n_predict": a.n, "cache_prompt": False,
                                            "ignore_eos": True, "temperature": 0})
                 t = r["timings"]
                 row = {"prompt_tokens": t["prompt_n"], "prefill_tps": t["prompt_per_second"], "predicted_n": t["predicted_n"],

@@ -26,6 +26,13 @@ median, the command, its binary, and the step trace's medians where strata-serve
 "kprof" (each kprof/ directory's per-step kernel totals by arm) and "strata_commits" (the distinct
 commits of the strata-server binaries the rows and arms ran).
 
+tools/device/run-seed's long-context rows (depth-GIB-ARM-aACCEPT, tools/bench/depth's depth.json)
+follow: one per strata arm (kv, allkv, short) and depth, with the keys model, ctx, prompt_tokens,
+kv_resident, budget_gib, the speeds, the card's memory and hot tier, prefill_ratio_min and
+decode_ratio_min against the control at that depth (the faster of control and nkvo where both
+ran), prefill_vs_allgpu and decode_vs_allgpu where upstream all-GPU ran, and decode_vs_short
+against the short arm's decode. depth-parity-aACCEPT adds the parity verdict of the streamed cache.
+
 The GEMM table's rows (gemm-MODEL-on and gemm-MODEL-off: everything on the GPU, the candidate
 with STRATA_HIPBLASLT_TUNING and without) follow, each with its ratio to the control and, for
 "on", to the "off" candidate of the same model.
@@ -48,6 +55,9 @@ ROW = re.compile(r"row-([\d.]+)-([\d.]+)-(\d+)(?:-([a-z]+))?(?:\+([a-z]+))?")
 SEED = re.compile(r"row-([\d.]+)-(\d+)-(\d+)(?:-(ssd|ram))?-a([\d.]+)(?:-cgroup(\d+))?")
 SEED_CTX = 262144
 GEMM = re.compile(r"gemm-(.+)-(on|off)")
+DEPTH = re.compile(r"depth-([\d.]+)-([a-z]+)-a([\d.]+)")
+HOT = re.compile(r"--expert-cache \S+: (\d+) experts hot \(([^)]*)\)")
+HIT = re.compile(r"profile hit rate of the hot tier ([\d.]+)%")
 
 
 def fresh(path: Path) -> list[dict]:
@@ -187,6 +197,73 @@ def gemm_row(d: Path, dirs: dict[str, Path]) -> dict:
     return out
 
 
+def depth_arm(d: Path) -> dict | None:
+    """The one arm of a depth directory, with its hot tier from the server's log where it has one."""
+    try:
+        arm = json.loads((d / "depth.json").read_text())[0]
+    except (OSError, IndexError, KeyError, json.JSONDecodeError):
+        return None
+    log = d / f"{arm['label']}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if m := HOT.search(text):
+        arm["hot_experts"], arm["hot_size"] = int(m.group(1)), m.group(2)
+    if m := HIT.search(text):
+        arm["hit_rate"] = round(float(m.group(1)) / 100, 4)
+    return arm
+
+
+def flag_value(cmd: list[str], flag: str) -> str | None:
+    return cmd[cmd.index(flag) + 1] if flag in cmd and cmd.index(flag) + 1 < len(cmd) else None
+
+
+def depth_rows(dirs: list[Path]) -> list[dict]:
+    arms: dict[tuple[str, str], dict[str, dict]] = {}
+    for d in dirs:
+        m = DEPTH.fullmatch(d.name)
+        if m and (a := depth_arm(d)):
+            a["dir"] = d.name
+            arms.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = a
+    out = []
+    for (gib, acc), by in sorted(arms.items()):
+        ctl = [by[k] for k in ("control", "nkvo") if k in by]
+        short = by.get("short", {}).get("rows", [])
+        for name in ("kv", "allkv", "short"):
+            if name not in by:
+                continue
+            a = by[name]
+            for r in a["rows"]:
+                pt = r["prompt_tokens"]
+                row = {"kind": "depth", "model": "qwen4exp-80b-a3b", "arm": name, "ctx": a.get("n_ctx"), "prompt_tokens": pt,
+                       "kv_resident": int(v) if (v := flag_value(a["cmd"], "--kv-resident")) else None,
+                       "budget_gib": float(gib), "accept_rate": float(acc), "dir": a["dir"],
+                       "commit": (a.get("binary") or {}).get("commit"), "prefill_tps": round(r["prefill_tps"], 1),
+                       "decode_tps": round(r["decode_tps"], 1), "card_used_mib": r.get("card_used_mib")}
+                for k in ("hot_experts", "hot_size", "hit_rate"):
+                    if k in a:
+                        row[k] = a[k]
+                # the control a user would run: the faster of the upstream arms at this depth
+                at = [x for c in ctl for x in c["rows"] if x["prompt_tokens"] == pt]
+                if at:
+                    row["control"] = {"prefill_tps": round(max(x["prefill_tps"] for x in at), 1),
+                                      "decode_tps": round(max(x["decode_tps"] for x in at), 1)}
+                    row["prefill_ratio_min"] = round(r["prefill_tps"] / row["control"]["prefill_tps"], 3)
+                    row["decode_ratio_min"] = round(r["decode_tps"] / row["control"]["decode_tps"], 3)
+                full = [x for x in by.get("allgpu", {}).get("rows", []) if x["prompt_tokens"] == pt]
+                if full:
+                    row["prefill_vs_allgpu"] = round(r["prefill_tps"] / full[0]["prefill_tps"], 3)
+                    row["decode_vs_allgpu"] = round(r["decode_tps"] / full[0]["decode_tps"], 3)
+                if short:
+                    row["decode_vs_short"] = round(r["decode_tps"] / short[0]["decode_tps"], 3)
+                    row["short_prompt_tokens"] = short[0]["prompt_tokens"]
+                out.append(row)
+    for d in dirs:
+        if re.fullmatch(r"depth-parity-a[\d.]+", d.name) and (d / "parity.json").exists():
+            p = json.loads((d / "parity.json").read_text())
+            out.append({"kind": "depth-parity", "dir": d.name, "commands": p["commands"], "prompt_tokens": p["a"].get("tokens_evaluated"),
+                        "verdict": p["verdict"]})
+    return out
+
+
 def decode_arms(call: Path) -> list[dict]:
     out: list[dict] = []
     for a in decodediag_arms(call / "decodediag"):
@@ -227,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             ceilings[ceiling_key(d.name)] = d / "ceiling.json"
     gemm = sorted(d for base in args.dirs for d in Path(base).glob("gemm-*") if d.is_dir() and GEMM.fullmatch(d.name))
     by_name = {d.name: d for d in gemm}
-    out = [row(d, ceilings) for d in rows] + [gemm_row(d, by_name) for d in gemm]
+    depth = sorted(d for base in args.dirs for d in Path(base).glob("depth-*") if d.is_dir())
+    out = [row(d, ceilings) for d in rows] + depth_rows(depth) + [gemm_row(d, by_name) for d in gemm]
     if args.with_decode:
         calls = [Path(b) for b in args.dirs]
         decode = [a for c in calls if (c / "decodediag").is_dir() for a in decode_arms(c)]

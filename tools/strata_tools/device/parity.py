@@ -49,6 +49,10 @@ class Server:
     def post(self, path: str, body: dict) -> dict:
         return post_json(self.url + path, body)
 
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=60) as r:
+            return json.load(r)
+
     def complete(self, prompt, n: int, cache: bool) -> dict:
         return self.post("/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "n_probs": 5,
                                          "cache_prompt": cache, "ignore_eos": True, "return_tokens": True})
