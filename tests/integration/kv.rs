@@ -1,7 +1,8 @@
 //! How the KV cache is read and where it lives: QSA layers (the tiny qwen4exp's sparse attention)
 //! attending over each token's gathered cells (patches/0011, STRATA_LAB=qsa-gather=N) keep the
 //! masked attention's output, in decode and in prompt batches, with an f16 and a q8_0 cache; and
-//! with `--kv-resident N` their K and V are placed by Strata (patches/0012) with the same output.
+//! with `--kv-resident N` their K and V are placed by Strata (patches/0012) with the same output,
+//! in several slots at once, across a context shift and through a slot file.
 
 use serde_json::{json, Value};
 
@@ -119,4 +120,71 @@ fn kv_resident_places_the_qsa_layers_cache_and_keeps_the_output() {
     // a context within N moves nothing, and says so
     let (_, log) = run(&["--kv-resident", "8192"]);
     assert!(log.contains("--kv-resident 8192: a sequence's 4096 tokens fit: the KV cache stays on the card"), "{log}");
+}
+
+/// Several slots at once, the prompt cache, a context shift and a slot saved and restored, each
+/// with the QSA layers' cache placed by Strata, give what the cache in its usual place gives.
+#[test]
+fn kv_resident_keeps_slots_context_shift_and_slot_files() {
+    let m = model(MODEL);
+    let ms = m.to_str().unwrap();
+    let dir = tmp("kv-slots");
+    let prompts: Vec<String> = (0..2).map(|k| (0..100).map(|i| format!("w{k}x{i} alpha beta ")).collect()).collect();
+    let run = |extra: &[&str], save: &str| {
+        // two slots of 1,024 tokens each
+        let mut args = vec!["-m", ms, "-c", "2048", "-np", "2", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "--context-shift"];
+        let slots = dir.join(save);
+        std::fs::create_dir_all(&slots).unwrap();
+        args.extend_from_slice(&["--slot-save-path", slots.to_str().unwrap()]);
+        args.extend_from_slice(extra);
+        let s = Server::start(&args, &[]);
+        let alone: Vec<Value> = prompts.iter().map(|p| generate(&s, p)).collect();
+        let together: Vec<Value> = std::thread::scope(|sc| {
+            let h: Vec<_> = prompts.iter().map(|p| sc.spawn(|| generate(&s, p))).collect();
+            h.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (a, t) in alone.iter().zip(&together) {
+            assert_eq!(a["tokens"], t["tokens"], "{extra:?}: a request alone and beside another");
+        }
+        // past the slot's 1,024 tokens: the context shifts where the model's memory can (both placements alike)
+        let long = json!({"prompt": prompts[0], "n_predict": 700, "temperature": 0, "cache_prompt": false, "ignore_eos": true,
+                          "n_probs": 3, "return_tokens": true});
+        let (status, shifted) = s.post("/completion", &long);
+        // a slot saved, restored into the other slot, continued from its cache
+        let body = json!({"prompt": prompts[1], "n_predict": 16, "temperature": 0, "cache_prompt": true, "id_slot": 0,
+                          "ignore_eos": true, "return_tokens": true});
+        let (st, first) = s.post("/completion", &body);
+        assert_eq!(st, 200, "{first}");
+        let (st, saved) = s.post("/slots/0?action=save", &json!({"filename": "slot0.bin"}));
+        assert_eq!(st, 200, "{extra:?}: save {saved}");
+        let (st, restored) = s.post("/slots/1?action=restore", &json!({"filename": "slot0.bin"}));
+        assert_eq!(st, 200, "{extra:?}: restore {restored}");
+        assert_eq!(saved["n_saved"], restored["n_restored"], "{extra:?}: {saved} {restored}");
+        assert_eq!(saved["n_written"], restored["n_read"], "{extra:?}: {saved} {restored}");
+        assert!(saved["n_saved"].as_u64().unwrap() > 600, "{saved}");
+        // the restored slot serves (a recurrent model re-reads a prompt it cannot extend, as upstream)
+        let mut again = body.clone();
+        again["id_slot"] = json!(1);
+        let (st, next) = s.post("/completion", &again);
+        assert_eq!(st, 200, "{next}");
+        assert_eq!(first["tokens"], next["tokens"], "{extra:?}: the restored slot answers as the saved one did");
+        let first = saved["n_written"].clone();
+        (alone, status, shifted, first)
+    };
+    let (plain, plain_status, plain_shift, plain_first) = run(&[], "plain");
+    let (placed, status, shift, first) = run(&["--kv-resident", "64"], "placed");
+    for (a, b) in plain.iter().zip(&placed) {
+        let d = max_difference(a, b, "--kv-resident 64, two slots");
+        assert!(d <= TOL, "log-probabilities differ by {d}");
+    }
+    assert_eq!(plain_status, status, "the context shift: {plain_shift} against {shift}");
+    if status == 200 {
+        // the pin does not shift this model's cache (its memory cannot shift): both stop at the slot's end alike
+        let n = |v: &Value| v["tokens"].as_array().unwrap().len();
+        assert_eq!((n(&plain_shift), plain_shift["truncated"].clone()), (n(&shift), shift["truncated"].clone()), "{shift}");
+        let d = max_difference(&plain_shift, &shift, "--kv-resident 64, a shifted context");
+        assert!(d <= TOL, "log-probabilities differ by {d} across the context shift");
+    }
+    // a slot file holds the same bytes wherever the cache lives
+    assert_eq!(plain_first, first);
 }
