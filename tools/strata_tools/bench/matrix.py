@@ -33,6 +33,12 @@ decode_ratio_min against the control at that depth (the faster of control and nk
 ran), prefill_vs_allgpu and decode_vs_allgpu where upstream all-GPU ran, and decode_vs_short
 against the short arm's decode. depth-parity-aACCEPT adds the parity verdict of the streamed cache.
 
+tools/bench/load's rows (load-GIB-SKEW[-SUFFIX] holding load.json with the arms control, candidate
+and ceiling) follow: one per case (decode, mixed) with the keys parallel, clients, prompt_tokens,
+gen_tokens, budget_gib, skew, the candidate's gen_tps, gen_vs_control, gen_vs_allgpu, ttft and
+itl_p99_ms, each arm's itl_p99_ms, errors, and for the mixed case the streams' p99 gap while the long
+prompt was read and their decode rates' spread (fastest over slowest).
+
 The GEMM table's rows (gemm-MODEL-on and gemm-MODEL-off: everything on the GPU, the candidate
 with STRATA_HIPBLASLT_TUNING and without) follow, each with its ratio to the control and, for
 "on", to the "off" candidate of the same model.
@@ -57,6 +63,7 @@ SEED_CTX = 262144
 GEMM = re.compile(r"gemm-(.+)-(on|off)")
 DEPTH = re.compile(r"depth-([\d.]+)-([a-z]+)-a([\d.]+)")
 HOT = re.compile(r"--expert-cache \S+: (\d+) experts hot \(([^)]*)\)")
+LOAD = re.compile(r"load-([\d.]+)-([\d.]+)(?:-[\w.]+)?")
 HIT = re.compile(r"profile hit rate of the hot tier ([\d.]+)%")
 
 
@@ -264,6 +271,39 @@ def depth_rows(dirs: list[Path]) -> list[dict]:
     return out
 
 
+def load_rows(dirs: list[Path]) -> list[dict]:
+    out = []
+    for d in dirs:
+        m = LOAD.fullmatch(d.name)
+        try:
+            arms = {a["label"]: a for a in json.loads((d / "load.json").read_text())}
+        except (OSError, KeyError, TypeError, json.JSONDecodeError):
+            continue
+        cand = arms.get("candidate")
+        if not m or cand is None:
+            continue
+        p = cand["params"]
+        for case, r in cand["cases"].items():
+            row = {"kind": "load", "case": case, "dir": d.name, "parallel": cand.get("parallel"), "clients": p["clients"],
+                   "prompt_tokens": p["prompt_tokens"], "gen_tokens": p["gen"], "budget_gib": float(m.group(1)),
+                   "skew": float(m.group(2)), "commit": (cand.get("binary") or {}).get("commit"), "gen_tps": r["gen_tps"],
+                   "ttft_ms_p50": r["ttft_ms_p50"], "itl_p99_ms": r["itl_ms_p99"], "errors": r["errors"],
+                   "stream_tps_spread": r["stream_tps_spread"]}
+            for arm, key in (("control", "gen_vs_control"), ("ceiling", "gen_vs_allgpu")):
+                other = arms.get(arm, {}).get("cases", {}).get(case)
+                if other and other.get("gen_tps"):
+                    row[key] = round(r["gen_tps"] / other["gen_tps"], 3)
+                    row[f"{arm}_itl_p99_ms"] = other["itl_ms_p99"]
+                    row[f"{arm}_errors"] = other["errors"]
+                    if case == "mixed":
+                        row[f"{arm}_itl_p99_during_long_ms"] = other.get("itl_ms_p99_during_long")
+            if case == "mixed":
+                row["mixed_prompt_tokens"] = r["long"]["prompt_tokens"]
+                row["itl_p99_during_long_ms"] = r.get("itl_ms_p99_during_long")
+            out.append(row)
+    return out
+
+
 def decode_arms(call: Path) -> list[dict]:
     out: list[dict] = []
     for a in decodediag_arms(call / "decodediag"):
@@ -305,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     gemm = sorted(d for base in args.dirs for d in Path(base).glob("gemm-*") if d.is_dir() and GEMM.fullmatch(d.name))
     by_name = {d.name: d for d in gemm}
     depth = sorted(d for base in args.dirs for d in Path(base).glob("depth-*") if d.is_dir())
-    out = [row(d, ceilings) for d in rows] + depth_rows(depth) + [gemm_row(d, by_name) for d in gemm]
+    load = sorted(d for base in args.dirs for d in Path(base).glob("load-*") if d.is_dir())
+    out = [row(d, ceilings) for d in rows] + depth_rows(depth) + load_rows(load) + [gemm_row(d, by_name) for d in gemm]
     if args.with_decode:
         calls = [Path(b) for b in args.dirs]
         decode = [a for c in calls if (c / "decodediag").is_dir() for a in decode_arms(c)]
