@@ -4,6 +4,7 @@ chart)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -115,3 +116,19 @@ def test_the_batch_size_a_command_line_types_is_the_last_one():
     assert ab_tool.ubatch_of(["-c", "4096"]) == 512
     assert ab_tool.ubatch_of(["-b", "8192", "-ub", "8192", "--ubatch-size", "2048"]) == 2048
     assert ab_tool.ubatch_of(["--prefill", "8192"]) == 8192
+
+
+def test_ab_with_load_measures_each_arm_with_clients_at_once(tmp_path):
+    for p in (STRATA, UPSTREAM, MODEL):
+        if not p.exists():
+            pytest.fail(f"{p} is missing: run tools/setup and tools/build-upstream")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text((Path(__file__).resolve().parents[2] / "ARCHITECTURE.md").read_text()[:20000])
+    out = tmp_path / "load-24-0.7"
+    res = ab("--control", str(UPSTREAM), "--candidate", str(STRATA), "--model", str(MODEL), "--out", str(out),
+             "--ctx", "4096", "--load", "--clients 3 --prompt-tokens 32 --gen 8", "--corpus", str(corpus), "--", "-np", "3", "-t", "2")
+    assert res.returncode == 0, res.stderr + res.stdout
+    arms = json.loads((out / "load.json").read_text())
+    assert [a["label"] for a in arms] == ["control", "candidate"]
+    for a in arms:
+        assert a["parallel"] == 3 and a["cases"]["decode"]["gen_tokens"] == 24 and a["cases"]["decode"]["errors"] == 0, a

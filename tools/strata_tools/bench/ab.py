@@ -3,7 +3,7 @@ one idle machine, each measured by tools/bench/prefill; prints the compare table
 
     tools/bench/ab --control BIN --candidate BIN --model GGUF --out DIR
                     [--vram-gib G] [--ctx N] [--quick] [--ceiling] [--control-args ARGS]
-                    [--candidate-args ARGS] [-- EXTRA SERVER ARGS]
+                    [--candidate-args ARGS] [--load ARGS --corpus FILE] [-- EXTRA SERVER ARGS]
     tools/bench/ab --plan GGUF --vram-gib G [--ctx N]
 
 Each arm is started alone with its stderr written unbuffered to DIR/<arm>.log, benchmarked, and
@@ -17,6 +17,8 @@ the candidate gets the same placement plus
 `--vram-reserve-mib`, the Strata flag that will let its expert residency use the rest.
 With --ceiling a third arm runs first: the control with everything on the GPU (`-ngl 99`), the
 all-GPU ceiling both are compared with.
+With --load ARGS each arm is measured by tools/bench/load instead (ARGS its flags, e.g. "--clients 8
+--gen 256 --mixed 32768"; -np in the extra server args), the arms in one DIR/load.json.
 
 The build half of the protocol (CUDA builds of both arms from the carried pin) lives in
 docs/bench-ab.md; this script only needs the two binaries.
@@ -35,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from strata_tools import NotReady, wait_healthy
-from strata_tools.bench import prefill
+from strata_tools.bench import load, prefill
 from strata_tools.gguf_header import GGUFError, read_gguf
 
 GIB = 1024 ** 3
@@ -292,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     "with --vram-gib they replace --n-cpu-moe")
     ap.add_argument("--no-control-fit", action="store_true", help="with --vram-gib on a GPU, place the control by the "
                     "tensor arithmetic alone instead of measuring its start with every expert on the CPU")
+    ap.add_argument("--load", metavar="ARGS", help="measure the arms with tools/bench/load and these flags, one string")
+    ap.add_argument("--corpus", help="the text tools/bench/load slices prompts from (with --load)")
     ap.add_argument("--probe-cache", metavar="FILE", help="remember the control's probes in FILE (JSON) for later "
                     "rows on the same machine")
     args, extra = ap.parse_known_args(argv)
@@ -341,6 +345,14 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str])
     fitted_ub = control_extra[-2:] if control_extra[-2:-1] == ["-ub"] else []
     control_extra = control_extra[:len(control_extra) - len(fitted_ub)] + shlex.split(args.control_args) + fitted_ub
     ceiling_extra = ["-ngl", "99"] + shlex.split(args.control_args)
+    if args.load is not None:
+        if not args.corpus:
+            ap.error("--load needs --corpus")
+        arms = [("control", [args.control] + common + control_extra), ("candidate", [args.candidate] + common + candidate_extra)]
+        if args.ceiling:
+            arms.append(("ceiling", [args.control] + common + ceiling_extra))
+        spec = [t for label, cmd in arms for t in ("---", label, *cmd)][1:]
+        return load.main(["--corpus", args.corpus, *shlex.split(args.load), "--out", args.out, "--", *spec])
     ceiling = [run_arm("ceiling", [args.control] + common + ceiling_extra, args, args.port)] if args.ceiling else []
     runs = [run_arm("control", [args.control] + common + control_extra, args, args.port),
             run_arm("candidate", [args.candidate] + common + candidate_extra, args, args.port)] + ceiling
