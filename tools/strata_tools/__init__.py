@@ -59,6 +59,11 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
         proc.wait()
 
 
+def get_json(url: str, timeout: float = 60) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
 def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -1,11 +1,19 @@
 """The benchmarks behind the commands in tools/bench/, and what they share: the medians of
-strata-server's step trace and the arms of a decodediag directory."""
+strata-server's step trace, the arms of a decodediag directory and the prompts cut from a corpus."""
 
 from __future__ import annotations
 
 import json
 import statistics
 from pathlib import Path
+
+
+def prompt_ids(tokens: list[int], depth: int) -> list[int]:
+    """The first `depth` tokens of the corpus repeated as often as it takes."""
+    if not tokens:
+        raise SystemExit("the corpus tokenized to nothing")
+    reps = -(-depth // len(tokens))
+    return (tokens * reps)[:depth]
 
 
 def step_trace_medians(path) -> dict | None:

@@ -17,19 +17,12 @@ import sys
 from pathlib import Path
 
 from strata_tools import provenance
+from strata_tools.bench import prompt_ids
 from strata_tools.bench.ab import card_used_mib
 from strata_tools.bench.probe import arms_of
 from strata_tools.device import parity
 
 DEFAULT_DEPTHS = "8192,32768,131072,262144"
-
-
-def prompt_ids(tokens: list[int], depth: int) -> list[int]:
-    """The first `depth` tokens of the corpus repeated as often as it takes."""
-    if not tokens:
-        raise SystemExit("depth: the corpus tokenized to nothing")
-    reps = -(-depth // len(tokens))
-    return (tokens * reps)[:depth]
 
 
 def fitted(depth: int, n_ctx: int | None, n: int) -> int:

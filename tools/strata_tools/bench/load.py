@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from strata_tools import provenance
+from strata_tools.bench import prompt_ids
 from strata_tools.bench.probe import arms_of
 from strata_tools.device import parity
 
@@ -47,8 +48,8 @@ def stream(url: str, prompt: list[int], n: int, first: threading.Event | None = 
     body = json.dumps({"prompt": prompt, "n_predict": n, "stream": True, "cache_prompt": False, "ignore_eos": True,
                        "temperature": 0, "return_tokens": True})
     out: dict = {"sent": time.monotonic(), "chunks": [], "error": None}
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
     try:
-        c = http.client.HTTPConnection(u.hostname, u.port, timeout=3600)
         c.request("POST", "/completion", body, {"Content-Type": "application/json"})
         r = c.getresponse()
         if r.status != 200:
@@ -71,10 +72,10 @@ def stream(url: str, prompt: list[int], n: int, first: threading.Event | None = 
                 t = ev.get("timings") or {}
                 out["prompt_n"], out["predicted_n"] = t.get("prompt_n"), t.get("predicted_n")
                 break
-        c.close()
     except (OSError, ValueError, http.client.HTTPException) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
+        c.close()
         if first is not None:
             first.set()
     return out
@@ -144,10 +145,7 @@ def run_case(url: str, prompts: list[list[list[int]]], gen: int, long_prompt: li
 
 def slices(tokens: list[int], start: int, count: int, size: int) -> list[list[int]]:
     """count distinct prompts of size tokens from the corpus, from offset start on, wrapping."""
-    if not tokens:
-        raise SystemExit("load: the corpus tokenized to nothing")
-    reps = -(-(start + count * size) // len(tokens)) + 1
-    ring = tokens * reps
+    ring = prompt_ids(tokens, start + count * size)
     return [ring[start + i * size: start + (i + 1) * size] for i in range(count)]
 
 
@@ -194,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(label: str, case: str, r: dict) -> None:
-    spread = statistics.median(r["stream_tps"]) if r["stream_tps"] else 0
+    median = statistics.median(r["stream_tps"]) if r["stream_tps"] else 0
     extra = f"  long prompt ttft {r['long']['ttft_ms']} ms, streams' p99 gap meanwhile {r['itl_ms_p99_during_long']} ms" if "long" in r else ""
     print(f"{label:12s} {case:6s} {r['gen_tps']} gen t/s  ttft p50 {r['ttft_ms_p50']} ms  itl p50 {r['itl_ms_p50']} p99 {r['itl_ms_p99']} ms  "
-          f"stream median {spread:.1f} t/s spread {r['stream_tps_spread']}  errors {r['errors']}{extra}", flush=True)
+          f"stream median {median:.1f} t/s spread {r['stream_tps_spread']}  errors {r['errors']}{extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from strata_tools import provenance
+from strata_tools import get_json, provenance
 
 SAMPLING = {"temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "seed": 42}
 FULL = {"warmup": 8, "fresh": [140, 280, 140, 280], "max_tokens": 128}
@@ -71,11 +71,6 @@ def post(url: str, body: dict, timeout: float = 3600.0) -> dict:
             return json.load(r)
     except urllib.error.HTTPError as e:
         raise SystemExit(f"prefill: {url} answered {e.code}: {e.read().decode(errors='replace')}")
-
-
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.load(r)
 
 
 def timing_records(text: str) -> list[dict]:
@@ -169,10 +164,10 @@ def run(args) -> dict:
     if not log_path.exists():
         raise SystemExit(f"prefill: engine log {log_path} does not exist")
     base = args.url.rstrip("/")
-    health = get(base + "/health")
+    health = get_json(base + "/health")
     if health.get("status") != "ok":
         raise SystemExit(f"prefill: server not ready: {health}")
-    props = get(base + "/props")
+    props = get_json(base + "/props")
     binary = provenance.binary(args.binary)
     log = EngineLog(log_path)
     requests = []

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from strata_tools import NotReady, free_port, post_json, provenance, stop, wait_healthy
+from strata_tools import NotReady, free_port, get_json, post_json, provenance, stop, wait_healthy
 
 
 class Server:
@@ -50,8 +50,7 @@ class Server:
         return post_json(self.url + path, body)
 
     def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=60) as r:
-            return json.load(r)
+        return get_json(self.url + path)
 
     def complete(self, prompt, n: int, cache: bool) -> dict:
         return self.post("/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "n_probs": 5,
